@@ -1,0 +1,30 @@
+"""zckpt: the ZeRO checkpoint lifecycle — read DeepSpeed and engine checkpoints, consolidate, inspect.
+
+Importing ``zckpt`` is cheap: torch is imported only by the functions that do tensor work.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+__version__ = "0.1.0"
+
+_LAZY = {
+    "consolidate": "zckpt.consolidate",
+    "load_state_dict": "zckpt.consolidate",
+    "iter_state_dict": "zckpt.consolidate",
+    "ConsolidateResult": "zckpt.consolidate",
+    "open_plan": "zckpt.readers",
+    "inspect": "zckpt.inspect",
+}
+
+
+def __getattr__(name: str) -> Any:
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'zckpt' has no attribute {name!r}")
+
+
+__all__ = sorted(_LAZY) + ["__version__"]

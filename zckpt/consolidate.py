@@ -1,0 +1,103 @@
+"""Library entry points: consolidate a checkpoint to an HF folder, or load/iterate its full state dict."""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Iterator
+
+from .errors import CheckpointCorruptError
+from .readers import open_plan
+
+if TYPE_CHECKING:
+    import torch
+
+
+@dataclass
+class ConsolidateResult:
+    source: str
+    tag: str
+    out: str
+    dtype: str
+    files: list[str]
+    copied: list[str]
+    tensors: int
+    parameters: int
+    tied: dict[str, str]
+    bytes_written: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" = "bf16", tag: str | None = None,
+                max_shard_size: int | str = "5GB", exclude_frozen: bool = False, overwrite: bool = False,
+                quiet: bool = True, workers: int | None = None) -> ConsolidateResult:
+    """Write SRC's weights as an HF-loadable folder OUT (safetensors at ``dtype``, config and tokenizer copied).
+
+    Everything is validated before the first byte is written; OUT appears only when complete.
+    """
+    from tqdm.auto import tqdm
+
+    from .assemble import parse_dtype
+    from .outdir import check_output, staged_output
+    from .writers.hf_safetensors import copy_model_files, write_weights
+
+    started = time.perf_counter()
+    out = Path(out)
+    torch_dtype = parse_dtype(dtype)
+    plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
+    check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
+    _check_config(plan.model_dir)
+    total = sum(t.nbytes for t in plan.tensors)
+    with staged_output(out, overwrite) as staging, \
+            tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate",
+                 disable=quiet) as bar:
+        written = write_weights(plan, staging, torch_dtype, max_shard_size=max_shard_size, progress=bar,
+                                workers=workers)
+        copied = copy_model_files(Path(plan.model_dir) if plan.model_dir else None, staging, torch_dtype)
+    return ConsolidateResult(
+        source=plan.source, tag=plan.tag, out=str(out), dtype=str(torch_dtype).removeprefix("torch."),
+        files=written.files, copied=copied, tensors=written.tensors, parameters=written.parameters,
+        tied=dict(plan.aliases), bytes_written=written.bytes_written,
+        seconds=round(time.perf_counter() - started, 3))
+
+
+def _check_config(model_dir: str | None) -> None:
+    if model_dir is None:
+        return
+    path = Path(model_dir) / "config.json"
+    try:
+        json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
+
+
+def iter_state_dict(src: str | Path, dtype: "str | torch.dtype | None" = "fp32", *, tag: str | None = None,
+                    exclude_frozen: bool = False, workers: int | None = None
+                    ) -> Iterator[tuple[str, "torch.Tensor"]]:
+    """Yield ``(name, tensor)`` one at a time, floating tensors cast to ``dtype`` (None: as stored).
+
+    Tied aliases are not yielded; ``zckpt.open_plan(src).aliases`` lists them.
+    """
+    from .assemble import cast, default_workers, iter_assembled, parse_dtype
+
+    torch_dtype = parse_dtype(dtype)
+    plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
+    for tplan, tensor in iter_assembled(plan.tensors, lambda t, x: cast(x, torch_dtype),
+                                        workers=workers or default_workers()):
+        yield tplan.name, tensor
+
+
+def load_state_dict(src: str | Path, dtype: "str | torch.dtype | None" = "fp32", *, tag: str | None = None,
+                    exclude_frozen: bool = False) -> dict[str, "torch.Tensor"]:
+    """The full state dict (tied aliases share their canonical tensor), like DeepSpeed's
+    ``get_fp32_state_dict_from_zero_checkpoint`` but without DeepSpeed and with a choice of dtype."""
+    plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
+    state = dict(iter_state_dict(src, dtype, tag=tag, exclude_frozen=exclude_frozen))
+    for alias, canonical in plan.aliases.items():
+        state[alias] = state[canonical]
+    return state

@@ -1,0 +1,41 @@
+"""Typed errors. Every error carries a one-line message that says what is wrong and how to fix it.
+
+The CLI maps :class:`ZckptError` to ``error: <message>`` and exit code 2 in one place (``zckpt.cli.main``);
+anything else is a bug and shows a traceback.
+"""
+
+from __future__ import annotations
+
+
+class ZckptError(Exception):
+    """Base class: a problem with the user's input, reported without a traceback."""
+
+    exit_code = 2
+
+
+class SourceNotFoundError(ZckptError):
+    """SRC does not exist or holds no checkpoint zckpt recognises."""
+
+
+class CheckpointIncompleteError(ZckptError):
+    """A file the checkpoint needs is missing, empty, or truncated."""
+
+
+class CheckpointCorruptError(ZckptError):
+    """A file is present but its contents contradict the rest of the checkpoint."""
+
+
+class UnsafePickleError(ZckptError):
+    """A pickle asked for a global outside the allow-list; nothing from it was executed."""
+
+
+class UnsupportedCheckpointError(ZckptError):
+    """A valid checkpoint using a feature zckpt does not handle yet."""
+
+
+class OutputExistsError(ZckptError):
+    """OUT exists and is not empty; pass --overwrite to replace it."""
+
+
+class InvalidArgumentError(ZckptError):
+    """A flag or argument value is invalid."""

@@ -1,0 +1,124 @@
+"""Resolve what the user pointed at (SRC) to one checkpoint tag folder. Format-agnostic, no tensor I/O.
+
+SRC may be:
+
+* a tag folder itself (``global_step500/``) — holds ``*_model_states.pt`` (DeepSpeed) or ``manifest.json`` (engine);
+* a save dir whose ``latest`` names the tag (or ``--tag``);
+* an HF Trainer ``checkpoint-N/`` folder, which is a save dir plus ``config.json`` and tokenizer files;
+* an HF Trainer output dir holding ``checkpoint-N/`` folders: the newest complete one is used.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from ..errors import CheckpointIncompleteError, InvalidArgumentError, SourceNotFoundError
+
+_CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
+
+
+@dataclass(frozen=True)
+class Located:
+    src: Path
+    tag_dir: Path
+    tag: str
+    kind: str  # "tag-dir" | "save-dir" | "hf-checkpoint" | "hf-output-dir"
+    model_dir: Path | None  # where config.json / tokenizer files sit, if anywhere
+
+
+def is_tag_dir(path: Path) -> bool:
+    """A folder holding one saved checkpoint (any supported format)."""
+    if not path.is_dir():
+        return False
+    if (path / "manifest.json").is_file():
+        return True
+    return any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt"))
+
+
+def _model_dir(*candidates: Path) -> Path | None:
+    for cand in candidates:
+        if (cand / "config.json").is_file():
+            return cand
+    return None
+
+
+def read_latest(save_dir: Path) -> str:
+    """The tag named by ``save_dir/latest``, validated."""
+    latest = save_dir / "latest"
+    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
+    if not tag:
+        raise CheckpointIncompleteError(
+            f"{latest} is empty (an interrupted save?); pass --tag with one of: {_list_tags(save_dir)}")
+    if "/" in tag or "\\" in tag or tag in {".", ".."}:
+        raise CheckpointIncompleteError(f"{latest} names an invalid tag {tag!r}; pass --tag explicitly")
+    return tag
+
+
+def _list_tags(save_dir: Path) -> str:
+    tags = sorted(p.name for p in save_dir.iterdir() if is_tag_dir(p))
+    return ", ".join(tags) if tags else "(no tag folders found)"
+
+
+def _locate_in_save_dir(save_dir: Path, tag: str | None, kind: str) -> Located:
+    if tag is None:
+        if not (save_dir / "latest").is_file():
+            raise SourceNotFoundError(
+                f"{save_dir} has no 'latest' file; pass --tag with one of: {_list_tags(save_dir)}")
+        tag = read_latest(save_dir)
+        origin = f"{save_dir / 'latest'} names tag {tag!r}"
+    else:
+        origin = f"--tag {tag!r}"
+    tag_dir = save_dir / tag
+    if not tag_dir.is_dir():
+        raise CheckpointIncompleteError(
+            f"{origin} but {tag_dir} does not exist; pass --tag with one of: {_list_tags(save_dir)}")
+    if not is_tag_dir(tag_dir):
+        raise CheckpointIncompleteError(f"{tag_dir} holds no checkpoint files (no *_model_states.pt or manifest.json)")
+    return Located(save_dir, tag_dir, tag, kind, _model_dir(save_dir))
+
+
+def _checkpoint_folders(output_dir: Path) -> list[tuple[int, Path]]:
+    found = []
+    for child in output_dir.iterdir():
+        match = _CHECKPOINT_RE.match(child.name)
+        if match and child.is_dir():
+            found.append((int(match.group(1)), child))
+    return sorted(found, reverse=True)
+
+
+def _is_complete_save_dir(path: Path) -> bool:
+    try:
+        _locate_in_save_dir(path, None, "hf-checkpoint")
+        return True
+    except (SourceNotFoundError, CheckpointIncompleteError):
+        return False
+
+
+def locate(src: str | Path, tag: str | None = None) -> Located:
+    """Find the tag folder SRC refers to, or raise a one-line error saying what SRC should look like."""
+    src = Path(src)
+    if not src.exists():
+        raise SourceNotFoundError(f"{src} does not exist")
+    if not src.is_dir():
+        raise SourceNotFoundError(f"{src} is a file; pass the checkpoint folder (the one holding 'latest' or "
+                                  "global_step*/)")
+    if is_tag_dir(src):
+        if tag is not None and tag != src.name:
+            raise InvalidArgumentError(f"{src} is already a tag folder; drop --tag {tag!r} or pass its parent")
+        return Located(src, src, src.name, "tag-dir", _model_dir(src.parent, src))
+    if (src / "latest").is_file() or tag is not None or any(is_tag_dir(p) for p in src.iterdir()):
+        return _locate_in_save_dir(src, tag, "hf-checkpoint" if _model_dir(src) else "save-dir")
+    checkpoints = _checkpoint_folders(src)
+    if checkpoints:
+        for _step, folder in checkpoints:
+            if _is_complete_save_dir(folder):
+                found = _locate_in_save_dir(folder, None, "hf-output-dir")
+                return Located(src, found.tag_dir, found.tag, "hf-output-dir", found.model_dir)
+        names = ", ".join(p.name for _, p in checkpoints)
+        raise CheckpointIncompleteError(f"{src} holds {names} but none is a complete checkpoint "
+                                        "(each lacks 'latest' or its tag folder)")
+    raise SourceNotFoundError(
+        f"{src} is not a checkpoint: expected a 'latest' file, a global_step*/ folder, *_model_states.pt files, "
+        "or checkpoint-N/ folders")
