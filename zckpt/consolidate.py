@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Iterator
 
-from .errors import CheckpointCorruptError
+from .errors import CheckpointCorruptError, InvalidArgumentError
 from .readers import open_plan
 
 if TYPE_CHECKING:
@@ -49,6 +50,7 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     started = time.perf_counter()
     out = Path(out)
     torch_dtype = parse_dtype(dtype)
+    max_shard_size = parse_size(max_shard_size)
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     _check_config(plan.model_dir)
@@ -64,6 +66,25 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
         files=written.files, copied=copied, tensors=written.tensors, parameters=written.parameters,
         tied=dict(plan.aliases), bytes_written=written.bytes_written,
         seconds=round(time.perf_counter() - started, 3))
+
+
+_SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}
+
+
+def parse_size(value: int | str) -> int:
+    """'5GB' -> 5_000_000_000 (decimal units as huggingface_hub; KiB/MiB/GiB binary); ints pass through."""
+    if isinstance(value, int):
+        size = value
+    else:
+        match = _SIZE_RE.match(value)
+        if not match:
+            raise InvalidArgumentError(f"--max-shard-size {value!r} is not a size; use e.g. 5GB, 500MB or 1GiB")
+        size = int(float(match.group(1)) * _UNITS[(match.group(2) or "B").upper()])
+    if size <= 0:
+        raise InvalidArgumentError(f"--max-shard-size must be positive, got {value!r}")
+    return size
 
 
 def _check_config(model_dir: str | None) -> None:

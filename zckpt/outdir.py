@@ -36,6 +36,9 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
     """Yield a temporary folder beside ``out``; on success it becomes ``out`` in one rename."""
     out.parent.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX + out.name + "-", dir=out.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp makes it 0700; OUT should look like any mkdir'd folder
     try:
         yield staging
         _fsync_dir_files(staging)

@@ -1,0 +1,3 @@
+from zckpt.cli.main import main
+
+main()

@@ -1,0 +1,124 @@
+"""The ``zckpt`` command: thin typer commands over the library; errors become one line in one place.
+
+Only typer is imported at start-up; each command imports what it needs, so ``--help`` and metadata-only commands
+answer quickly (torch is imported by the commands that do tensor math).
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+app = typer.Typer(
+    name="zckpt",
+    help="ZeRO checkpoints made usable: inspect DeepSpeed / engine checkpoints and consolidate them into "
+         "Hugging Face safetensors.\n\nExample: zckpt consolidate output/checkpoint-500 model-bf16/",
+    add_completion=False,
+    no_args_is_help=True,
+    pretty_exceptions_enable=False,
+)
+
+# Shared option types (style habit 5).
+SrcArg = Annotated[Path, typer.Argument(help="Checkpoint: DeepSpeed save dir, tag folder, HF checkpoint-N/ or "
+                                             "HF Trainer output dir.", show_default=False)]
+TagOpt = Annotated[Optional[str], typer.Option("--tag", help="Tag folder to read (default: named by 'latest').")]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of text.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+
+
+@app.callback()
+def _root(debug: DebugOpt = False) -> None:
+    """Global options."""
+
+
+@app.command(epilog="Examples:\n\n  zckpt consolidate ckpts/ model-bf16/\n\n"
+                    "  zckpt consolidate out/checkpoint-500 hf-model/ --dtype fp16 --max-shard-size 2GB\n\n"
+                    "  zckpt consolidate ckpts/global_step100 fp32/ --dtype fp32 --json")
+def consolidate(
+    src: SrcArg,
+    out: Annotated[Path, typer.Argument(help="Output folder (must not exist or be empty, unless --overwrite).",
+                                        show_default=False)],
+    dtype: Annotated[str, typer.Option("--dtype", help="Output dtype of floating tensors: bf16, fp16 or fp32.")]
+    = "bf16",
+    tag: TagOpt = None,
+    max_shard_size: Annotated[str, typer.Option("--max-shard-size", help="Largest output shard, e.g. 5GB, 500MB.")]
+    = "5GB",
+    exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", help="Drop frozen (requires_grad=False) "
+                                                                          "parameters.")] = False,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Reader threads (default: by CPU count).")]
+    = None,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Consolidate a sharded ZeRO checkpoint into an HF-loadable safetensors folder (bf16 by default)."""
+    from ..consolidate import consolidate as run
+
+    result = run(src, out, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
+                 exclude_frozen=exclude_frozen, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    tied = ", ".join(f"{a} -> {c}" for a, c in result.tied.items()) or "none"
+    print(f"wrote {result.out}: {result.tensors} tensors, {result.parameters:,} parameters, {result.dtype}, "
+          f"{_human(result.bytes_written)} in {len(result.files)} file(s) [{result.seconds:.2f}s]")
+    print(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
+    if result.copied:
+        print(f"  copied: {', '.join(result.copied)}")
+
+
+@app.command(epilog="Examples:\n\n  zckpt inspect ckpts/\n\n  zckpt inspect out/checkpoint-500 --json")
+def inspect(src: SrcArg, tag: TagOpt = None, as_json: JsonOpt = False) -> None:
+    """Describe a checkpoint: format, ZeRO stage, world size, dtype, step, parameter counts, files."""
+    from ..inspect import inspect as run, render
+
+    report = run(src, tag)
+    print(json.dumps(report, indent=2) if as_json else render(report))
+    if report["problem"]:
+        raise typer.Exit(2)
+
+
+@app.command(epilog="Example:\n\n  zckpt demo")
+def demo(
+    out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the model (default: a temp dir).")]
+    = None,
+) -> None:
+    """Consolidate the bundled real-DeepSpeed fixture to bf16 and load it with transformers."""
+    from ..demo import run
+
+    run(out)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if n < 1024 or unit == "GiB":
+            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
+        n /= 1024
+    return f"{n:.1f} GiB"
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Run the CLI; library errors become ``error: <one line>`` and exit code 2 (``--debug`` re-raises)."""
+    from ..errors import ZckptError
+
+    args = list(sys.argv[1:] if argv is None else argv)
+    debug = "--debug" in args
+    if debug:  # accepted anywhere on the line, not only before the command
+        args = ["--debug"] + [a for a in args if a != "--debug"]
+    try:
+        app(args=args, prog_name="zckpt")
+    except ZckptError as exc:
+        if debug:
+            raise
+        print(f"error: {exc}", file=sys.stderr)
+        sys.exit(exc.exit_code)
+    except KeyboardInterrupt:
+        if debug:
+            raise
+        print("error: interrupted; no output was left behind", file=sys.stderr)
+        sys.exit(130)

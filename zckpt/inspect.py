@@ -1,0 +1,83 @@
+"""``zckpt inspect``: what a checkpoint is, from metadata alone (no tensor bytes, no torch)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from .errors import SourceNotFoundError, ZckptError
+from .readers import locate, read_plan
+
+
+def inspect(src: str | Path, tag: str | None = None) -> dict[str, Any]:
+    """A JSON-able report. Problems with the checkpoint's files are reported in ``problem``, not raised,
+    so the files present are still listed; an unrecognisable SRC raises."""
+    located = locate(src, tag)
+    report: dict[str, Any] = {"source": str(located.src), "source_kind": located.kind, "tag": located.tag,
+                              "tag_dir": str(located.tag_dir), "model_dir": _str(located.model_dir),
+                              "problem": None}
+    try:
+        plan = read_plan(located)
+        for tensor in plan.tensors:
+            tensor.validate()
+    except (ZckptError, ValueError) as exc:
+        if isinstance(exc, SourceNotFoundError):
+            raise
+        report["problem"] = str(exc)
+        report["files"] = [{"path": str(p), "bytes": p.stat().st_size} for p in sorted(located.tag_dir.iterdir())
+                           if p.is_file()]
+        report["bytes_on_disk"] = sum(f["bytes"] for f in report["files"])
+        return report
+    report.update({
+        "format": plan.format, "writer_version": plan.version, "zero_stage": plan.stage,
+        "world_size": plan.world_size, "train_dtype": plan.train_dtype, "step": plan.step,
+        "parameters": {"trainable": plan.count("param"), "frozen": plan.count("frozen"),
+                       "tied": {a: c for a, c in plan.aliases.items()}},
+        "buffers": plan.count("buffer"), "tensors": len(plan.tensors),
+        "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in plan.files],
+    })
+    report["missing"] = [f["path"] for f in report["files"] if f["bytes"] is None]
+    report["bytes_on_disk"] = sum(f["bytes"] or 0 for f in report["files"])
+    return report
+
+
+def _str(value: Any) -> str | None:
+    return None if value is None else str(value)
+
+
+def render(report: dict[str, Any]) -> str:
+    rows = [("source", f"{report['source']} ({report['source_kind']})"), ("tag", report["tag"])]
+    if report.get("model_dir"):
+        rows.append(("model files", report["model_dir"]))
+    if "format" in report:
+        params = report["parameters"]
+        tied = ", ".join(f"{a} -> {c}" for a, c in params["tied"].items())
+        rows += [
+            ("format", f"{report['format']} {report['writer_version'] or ''}".strip()),
+            ("step", str(report["step"])),
+            ("zero stage", str(report["zero_stage"])),
+            ("world size", str(report["world_size"])),
+            ("train dtype", report["train_dtype"]),
+            ("parameters", f"{params['trainable']:,} trainable, {params['frozen']:,} frozen, "
+                           f"{len(params['tied'])} tied" + (f" ({tied})" if tied else "")),
+            ("buffers", f"{report['buffers']:,} elements"),
+            ("tensors", str(report["tensors"])),
+        ]
+    rows.append(("on disk", f"{_human(report['bytes_on_disk'])} in {len(report['files'])} files"))
+    width = max(len(k) for k, _ in rows)
+    lines = [f"{k:<{width}}  {v}" for k, v in rows]
+    lines.append("files:")
+    for f in report["files"]:
+        size = "MISSING" if f["bytes"] is None else _human(f["bytes"])
+        lines.append(f"  {size:>10}  {Path(f['path']).name}")
+    if report["problem"]:
+        lines.append(f"problem: {report['problem']}")
+    return "\n".join(lines)
+
+
+def _human(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if n < 1024 or unit == "TiB":
+            return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    raise AssertionError
