@@ -10,12 +10,12 @@ from typing import Any
 __version__ = "0.1.0"
 
 _LAZY = {
-    "consolidate": "zckpt.consolidate",
-    "load_state_dict": "zckpt.consolidate",
-    "iter_state_dict": "zckpt.consolidate",
-    "ConsolidateResult": "zckpt.consolidate",
+    "consolidate": "zckpt.api",
+    "load_state_dict": "zckpt.api",
+    "iter_state_dict": "zckpt.api",
+    "ConsolidateResult": "zckpt.api",
     "open_plan": "zckpt.readers",
-    "inspect": "zckpt.inspect",
+    "inspect": "zckpt.report",
 }
 
 

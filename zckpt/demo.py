@@ -25,7 +25,7 @@ def run(out: Path | None = None) -> None:
     except ImportError as exc:
         raise ZckptError(f"the demo needs transformers ({exc}); pip install 'zckpt[hf]'") from None
     from . import consolidate
-    from .inspect import inspect, render
+    from .report import inspect, render
 
     print(f"$ zckpt inspect {FIXTURE}")
     print(render(inspect(FIXTURE)))

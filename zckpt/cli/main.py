@@ -57,7 +57,7 @@ def consolidate(
     as_json: JsonOpt = False,
 ) -> None:
     """Consolidate a sharded ZeRO checkpoint into an HF-loadable safetensors folder (bf16 by default)."""
-    from ..consolidate import consolidate as run
+    from ..api import consolidate as run
 
     result = run(src, out, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
                  exclude_frozen=exclude_frozen, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
@@ -75,7 +75,7 @@ def consolidate(
 @app.command(epilog="Examples:\n\n  zckpt inspect ckpts/\n\n  zckpt inspect out/checkpoint-500 --json")
 def inspect(src: SrcArg, tag: TagOpt = None, as_json: JsonOpt = False) -> None:
     """Describe a checkpoint: format, ZeRO stage, world size, dtype, step, parameter counts, files."""
-    from ..inspect import inspect as run, render
+    from ..report import inspect as run, render
 
     report = run(src, tag)
     print(json.dumps(report, indent=2) if as_json else render(report))

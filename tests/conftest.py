@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+FIXTURES = ROOT / "fixtures" / "deepspeed"
+
+
+def fixture_dirs() -> list[Path]:
+    return sorted(p for p in FIXTURES.iterdir() if (p / "meta.json").is_file() and (p / "ckpt").is_dir())
+
+
+def fixture_ids() -> list[str]:
+    return [p.name for p in fixture_dirs()]
+
+
+def meta(name: str) -> dict:
+    return json.loads((FIXTURES / name / "meta.json").read_text())
+
+
+@pytest.fixture
+def copy_fixture(tmp_path):
+    """Copy a fixture's DeepSpeed save dir into tmp so a test may damage it."""
+
+    def _copy(name: str) -> Path:
+        dst = tmp_path / name
+        shutil.copytree(FIXTURES / name / "ckpt", dst)
+        return dst
+
+    return _copy
