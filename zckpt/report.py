@@ -63,19 +63,19 @@ def render(report: dict[str, Any]) -> str:
             ("buffers", f"{report['buffers']:,} elements"),
             ("tensors", str(report["tensors"])),
         ]
-    rows.append(("on disk", f"{_human(report['bytes_on_disk'])} in {len(report['files'])} files"))
+    rows.append(("on disk", f"{human_bytes(report['bytes_on_disk'])} in {len(report['files'])} files"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
     lines.append("files:")
     for f in report["files"]:
-        size = "MISSING" if f["bytes"] is None else _human(f["bytes"])
+        size = "MISSING" if f["bytes"] is None else human_bytes(f["bytes"])
         lines.append(f"  {size:>10}  {Path(f['path']).name}")
     if report["problem"]:
         lines.append(f"problem: {report['problem']}")
     return "\n".join(lines)
 
 
-def _human(n: float) -> str:
+def human_bytes(n: float) -> str:
     for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
         if n < 1024 or unit == "TiB":
             return f"{int(n)} B" if unit == "B" else f"{n:.1f} {unit}"

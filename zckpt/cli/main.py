@@ -64,9 +64,11 @@ def consolidate(
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
+    from ..report import human_bytes
+
     tied = ", ".join(f"{a} -> {c}" for a, c in result.tied.items()) or "none"
     print(f"wrote {result.out}: {result.tensors} tensors, {result.parameters:,} parameters, {result.dtype}, "
-          f"{_human(result.bytes_written)} in {len(result.files)} file(s) [{result.seconds:.2f}s]")
+          f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s) [{result.seconds:.2f}s]")
     print(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
     if result.copied:
         print(f"  copied: {', '.join(result.copied)}")
@@ -92,14 +94,6 @@ def demo(
     from ..demo import run
 
     run(out)
-
-
-def _human(n: float) -> str:
-    for unit in ("B", "KiB", "MiB", "GiB"):
-        if n < 1024 or unit == "GiB":
-            return f"{n:.1f} {unit}" if unit != "B" else f"{int(n)} B"
-        n /= 1024
-    return f"{n:.1f} GiB"
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -237,6 +237,15 @@ def _buffers(model_state: dict) -> list[TensorPlan]:
     return plans
 
 
+def _refuse_expert_parallel(model_state: dict, path: Path) -> None:
+    """AutoEP (expert-parallel) experts are not partitioned over the data-parallel world; refuse, as DeepSpeed's
+    own zero_to_fp32 does, rather than produce incomplete expert tensors."""
+    layers = model_state.get("ds_autoep_layers", model_state.get("autoep_layers"))
+    if isinstance(layers, list) and layers:
+        raise UnsupportedCheckpointError(f"{path}: expert-parallel (AutoEP) checkpoints are not supported yet; "
+                                         "use DeepSpeed's ds_to_universal for them")
+
+
 def _train_dtype(ds_config: Any) -> str:
     if isinstance(ds_config, dict):
         for key, dtype in (("bf16", "bfloat16"), ("bfloat16", "bfloat16"), ("fp16", "float16")):
@@ -263,6 +272,7 @@ def read_deepspeed_plan(located: Located) -> CheckpointPlan:
     ms0 = model_states[0]
     if not isinstance(ms0, dict) or "param_shapes" not in ms0 or "buffer_names" not in ms0:
         raise CheckpointCorruptError(f"{ms_paths[0]} is not a DeepSpeed model-states file (no param_shapes)")
+    _refuse_expert_parallel(ms0, ms_paths[0])
     param_shapes = ms0["param_shapes"]
     if stage <= 2:
         params = _zero12_params(param_shapes, states, world)
