@@ -135,15 +135,15 @@ def test_failure_mid_write_leaves_nothing(monkeypatch, tmp_path):
     from zckpt.writers import safetensors_stream
 
     calls = {"n": 0}
-    real = safetensors_stream.StreamingWriter.write
+    real = safetensors_stream.PositionalWriter.write
 
-    def failing(self, name, data):
+    def failing(self, name, data):  # noqa: D401
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(28, "No space left on device")
         return real(self, name, data)
 
-    monkeypatch.setattr(safetensors_stream.StreamingWriter, "write", failing)
+    monkeypatch.setattr(safetensors_stream.PositionalWriter, "write", failing)
     with pytest.raises(OSError):
         zckpt.consolidate(FIXTURES / "z2_fp32_ws1_untied" / "ckpt", tmp_path / "out")
     assert os.listdir(tmp_path) == []

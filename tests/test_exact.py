@@ -20,6 +20,9 @@ def test_fp32_state_dict_is_bit_identical_to_deepspeed(name):
     assert list(ours) == list(reference) or set(ours) == set(reference)
     frozen = set(meta(name)["frozen_names"])
     for key, ref in reference.items():
+        if not ref.is_floating_point():  # integer buffers keep their dtype
+            assert ours[key].dtype == ref.dtype and torch.equal(ours[key], ref), key
+            continue
         assert ours[key].dtype == torch.float32 and ours[key].shape == ref.shape, key
         # DeepSpeed keeps frozen params at the training dtype; everything else it returns is fp32.
         assert ref.dtype == torch.float32 or key in frozen, key
@@ -69,6 +72,16 @@ def test_exclude_frozen_drops_only_frozen(tmp_path):
     state = zckpt.load_state_dict(FIXTURES / name / "ckpt", exclude_frozen=True)
     reference = load_file(str(FIXTURES / name / "reference.safetensors"))
     assert set(state) == set(reference) - frozen
+
+
+@pytest.mark.parametrize("name", ["z2_bf16_ws2_buffers", "z3_fp32_ws3_buffers"])
+def test_persistent_buffers_are_written(tmp_path, name):
+    reference = load_file(str(FIXTURES / name / "reference.safetensors"))
+    zckpt.consolidate(FIXTURES / name / "ckpt", tmp_path / "out", dtype="bf16")
+    written = load_file(str(tmp_path / "out" / "model.safetensors"))
+    assert written["model.seen_tokens"].dtype == torch.int64
+    assert torch.equal(written["model.seen_tokens"], reference["model.seen_tokens"])
+    assert torch.equal(written["model.pos_scale"], reference["model.pos_scale"].to(torch.bfloat16))
 
 
 def test_iter_state_dict_yields_one_tensor_at_a_time_in_model_order():

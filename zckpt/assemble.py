@@ -8,6 +8,7 @@ bounded window of bytes in flight, and handed out strictly in plan order.
 
 from __future__ import annotations
 
+import ctypes
 import os
 import threading
 from collections import deque
@@ -58,12 +59,22 @@ class FileCache:
             self._fds.clear()
 
 
+def byte_view(tensor: torch.Tensor) -> memoryview:
+    """A writable view of a contiguous CPU tensor's bytes (no copy, no numpy). Keep ``tensor`` alive while used."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
+        return memoryview(bytearray())
+    if not tensor.is_contiguous() or tensor.device.type != "cpu":
+        raise ValueError("byte_view needs a contiguous CPU tensor")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
+
+
 def read_tensor(plan: TensorPlan, files: FileCache) -> torch.Tensor:
-    """The tensor at its stored dtype, assembled from its fragments."""
+    """The tensor at its stored dtype, assembled from its fragments straight into its own (uninitialised) memory."""
     dtype = DTYPES[plan.dtype]
-    itemsize = torch.empty((), dtype=dtype).element_size()
-    buf = bytearray(plan.numel * itemsize)
-    view = memoryview(buf)
+    tensor = torch.empty(plan.shape, dtype=dtype)
+    itemsize = tensor.element_size()
+    view = byte_view(tensor)
     for frag in plan.fragments:
         start = frag.dest * itemsize
         want = frag.numel * itemsize
@@ -75,9 +86,7 @@ def read_tensor(plan: TensorPlan, files: FileCache) -> torch.Tensor:
                 raise CheckpointIncompleteError(f"{frag.path} is truncated: {plan.name} needs bytes up to "
                                                 f"{frag.offset + want}; re-save the checkpoint")
             got += n
-    if not buf:
-        return torch.empty(plan.shape, dtype=dtype)
-    return torch.frombuffer(buf, dtype=dtype).view(plan.shape)
+    return tensor
 
 
 def cast(tensor: torch.Tensor, dtype: "torch.dtype | None") -> torch.Tensor:

@@ -2,7 +2,7 @@
 
 Sharding is planned before any I/O with huggingface_hub's ``split_state_dict_into_shards_factory`` over the plan's
 output sizes, so shard names and the index are known up front. Each shard is streamed tensor by tensor
-(:mod:`zckpt.writers.safetensors_stream`); tied aliases are not written (``from_pretrained`` re-ties them), exactly
+(:mod:`zckpt.writers.safetensors_stream`: header first, then each tensor's bytes at its offset); tied aliases are not written (``from_pretrained`` re-ties them), exactly
 as ``save_pretrained`` does.
 """
 
@@ -16,9 +16,9 @@ from pathlib import Path
 
 import torch
 
-from ..assemble import DTYPES, default_workers, iter_assembled
+from ..assemble import DTYPES, cast, default_workers, iter_assembled
 from ..plan import CheckpointPlan, TensorPlan
-from .safetensors_stream import Entry, StreamingWriter, tensor_bytes
+from .safetensors_stream import Entry, PositionalWriter
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -69,11 +69,11 @@ def write_weights(plan: CheckpointPlan, out_dir: Path, dtype: torch.dtype | None
         tensors = sorted((by_name[n] for n in names), key=lambda t: order[t.name])
         entries = [Entry(t.name, out_dtype(t, dtype), t.shape) for t in tensors]
         with open(out_dir / filename, "wb") as fh:
-            writer = StreamingWriter(fh, entries, metadata={"format": "pt"})
-            stream = iter_assembled(tensors, lambda t, x: tensor_bytes(x, out_dtype(t, dtype)),
+            writer = PositionalWriter(fh.fileno(), entries, metadata={"format": "pt"})
+            stream = iter_assembled(tensors, lambda t, x: writer.write(t.name, cast(x, out_dtype(t, dtype))),
                                     workers=workers or default_workers())
-            for tplan, data in stream:
-                result.bytes_written += writer.write(tplan.name, data)
+            for tplan, nbytes in stream:
+                result.bytes_written += nbytes
                 result.tensors += 1
                 result.parameters += tplan.numel
                 if progress is not None:

@@ -3,18 +3,21 @@
 The format is an 8-byte little-endian header length, a JSON header (``{name: {dtype, shape, data_offsets}}`` plus
 ``__metadata__``), padded with spaces to a multiple of 8, then the tensors' bytes back to back. Since a plan knows
 every name, shape and dtype up front, the header is written first and each tensor's bytes follow as they are
-produced: memory holds one tensor, never the whole file (``safetensors.torch.save_file`` needs them all at once).
+produced: memory holds a bounded window of tensors, never the whole file (``safetensors.torch.save_file`` needs
+them all at once).
 """
 
 from __future__ import annotations
 
 import json
 import math
+import os
 import struct
+import threading
 from dataclasses import dataclass
-from typing import BinaryIO
-
 import torch
+
+from ..assemble import byte_view
 
 SAFETENSORS_DTYPES = {
     torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
@@ -48,37 +51,44 @@ def build_header(entries: list[Entry], metadata: dict[str, str] | None) -> bytes
     return struct.pack("<Q", len(raw)) + raw
 
 
-def tensor_bytes(tensor: torch.Tensor, dtype: torch.dtype | None = None) -> memoryview:
-    """The raw little-endian bytes of ``tensor`` cast to ``dtype`` (as ``Tensor.to`` casts), without numpy.
+class PositionalWriter:
+    """Writes the header, then lets any thread place each entry's bytes at its known offset (``os.pwrite``).
 
-    The cast is one ``copy_`` into a buffer we own, so the bytes cost a single pass over the tensor.
+    Offsets are fixed by the header, so tensors can be read, cast and written concurrently and in any order.
     """
-    dtype = dtype or tensor.dtype
-    if tensor.numel() == 0:
-        return memoryview(b"")
-    out = bytearray(tensor.numel() * torch.empty((), dtype=dtype).element_size())
-    torch.frombuffer(out, dtype=dtype).view(tensor.shape).copy_(tensor)
-    return memoryview(out)
 
+    def __init__(self, fd: int, entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
+        self._fd = fd
+        header = build_header(entries, metadata)
+        self._slots: dict[str, tuple[int, int]] = {}
+        offset = len(header)
+        for entry in entries:
+            self._slots[entry.name] = (offset, entry.nbytes)
+            offset += entry.nbytes
+        self._size = offset
+        self._pending = set(self._slots)
+        self._lock = threading.Lock()
+        _pwrite_all(fd, memoryview(header), 0)
 
-class StreamingWriter:
-    """Writes ``entries`` in order to ``fh``; call :meth:`write` once per entry with the matching tensor."""
-
-    def __init__(self, fh: BinaryIO, entries: list[Entry], metadata: dict[str, str] | None = None) -> None:
-        self._fh = fh
-        self._entries = entries
-        self._next = 0
-        fh.write(build_header(entries, metadata))
-
-    def write(self, name: str, data: memoryview) -> int:
-        """Append the bytes of the next entry (see :func:`tensor_bytes`)."""
-        entry = self._entries[self._next]
-        if name != entry.name or len(data) != entry.nbytes:
-            raise RuntimeError(f"internal: expected {entry} next, got {name} with {len(data)} bytes")
-        self._next += 1
-        self._fh.write(data)
-        return len(data)
+    def write(self, name: str, tensor: torch.Tensor) -> int:
+        """Write ``tensor`` (already at the entry's dtype and shape) into its slot; thread-safe."""
+        offset, nbytes = self._slots[name]
+        tensor = tensor.contiguous()
+        if tensor.numel() * tensor.element_size() != nbytes:
+            raise RuntimeError(f"internal: {name} has {tensor.numel() * tensor.element_size()} bytes, "
+                               f"header says {nbytes}")
+        _pwrite_all(self._fd, byte_view(tensor), offset)
+        with self._lock:
+            self._pending.discard(name)
+        return nbytes
 
     def close(self) -> None:
-        if self._next != len(self._entries):
-            raise RuntimeError(f"internal: {len(self._entries) - self._next} tensors were not written")
+        if self._pending:
+            raise RuntimeError(f"internal: {len(self._pending)} tensors were not written")
+        os.ftruncate(self._fd, self._size)
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
