@@ -101,7 +101,7 @@ def iter_assembled(
     transform: Callable[[TensorPlan, torch.Tensor], object],
     *,
     workers: int = 4,
-    window_bytes: int = 512 * 2**20,
+    window_bytes: int = 256 * 2**20,
 ) -> Iterator[tuple[TensorPlan, object]]:
     """Yield ``(plan, transform(plan, tensor))`` in order, preparing up to ``window_bytes`` ahead in threads."""
     files = FileCache()
