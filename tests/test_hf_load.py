@@ -53,6 +53,7 @@ def test_from_pretrained_loads_cleanly_with_reference_logits(tmp_path, name, dty
 def test_demo_runs(capsys):
     from zckpt.demo import run
 
-    run()
+    run(engine_steps=30)
     out = capsys.readouterr().out
-    assert "identical" in out and "missing/unexpected keys: none" in out
+    assert out.count("identical") == 2 and out.count("missing/unexpected keys: none") == 2
+    assert "format       engine" in out and "format       deepspeed 0.19.8" in out

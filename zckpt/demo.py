@@ -1,8 +1,11 @@
-"""``zckpt demo``: the Quick start's main job on the bundled real-DeepSpeed fixture.
+"""``zckpt demo``: the Quick start's main job.
 
-Consolidates ``fixtures/deepspeed/hf_run`` (an HF Trainer output dir holding a ZeRO-3 bf16 run on 2 ranks, written
-by DeepSpeed itself) into bf16 safetensors, loads the result with ``transformers``' ``from_pretrained``, and checks
-its logits against DeepSpeed's own fp32 reconstruction cast to bf16.
+1. Train a tiny causal LM with the engine on 2 CPU ranks (ZeRO-3, gloo, ``torchrun -m engine.demo``) on synthetic
+   data, saving engine-native checkpoints; consolidate the latest to bf16 safetensors; load it with transformers'
+   ``from_pretrained``; check the weights equal the engine's gathered fp32 weights cast to bf16, bit for bit, and
+   that the loaded model has learnt the synthetic task.
+2. Do the same for the bundled real-DeepSpeed checkpoint ``fixtures/deepspeed/hf_run`` (an HF Trainer output dir of a
+   ZeRO-3 bf16 run on 2 ranks, written by DeepSpeed 0.19), checking logits against DeepSpeed's own reconstruction.
 """
 
 from __future__ import annotations
@@ -15,19 +18,89 @@ from .errors import SourceNotFoundError, ZckptError
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed" / "hf_run"
 
 
-def run(out: Path | None = None) -> None:
-    if not FIXTURE.is_dir():
-        raise SourceNotFoundError(f"{FIXTURE} is missing: the demo needs a source checkout (pip install -e .)")
+def run(out: Path | None = None, *, engine_steps: int = 40) -> None:
     try:
-        import torch
-        from safetensors.torch import load_file
-        from transformers import AutoModelForCausalLM
+        import transformers  # noqa: F401
     except ImportError as exc:
         raise ZckptError(f"the demo needs transformers ({exc}); pip install 'zckpt[hf]'") from None
+    with tempfile.TemporaryDirectory() as tmp:
+        run_engine(Path(tmp), engine_steps)
+    print()
+    run_deepspeed_fixture(out)
+
+
+def run_engine(work: Path, steps: int) -> None:
+    """Part 1: train with the engine on 2 ranks, consolidate, load, check."""
+    import json
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    import torch
+    from safetensors.torch import load_file
+
     from . import consolidate
     from .report import inspect, render
 
-    print(f"$ zckpt inspect {FIXTURE}")
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_addr", "127.0.0.1",
+           "--master_port", str(port), "-m", "engine.demo", "--out", str(work), "--steps", str(steps)]
+    print("$ torchrun --nproc_per_node 2 -m engine.demo   # ZeRO-3, 2 CPU ranks (gloo), synthetic data")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[engine]")))
+    if proc.returncode != 0:
+        raise ZckptError(f"engine training failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
+    ckpts = work / "checkpoints"
+    print(f"\n$ zckpt inspect {ckpts}")
+    print(render(inspect(ckpts)))
+    target = work / "model-bf16"
+    print(f"\n$ zckpt consolidate {ckpts} {target}")
+    result = consolidate(ckpts, target, dtype="bf16", quiet=True)
+    print(f"wrote {result.files} + {result.copied} ({result.parameters:,} parameters, {result.dtype}); "
+          f"tied, written once: {result.tied}")
+    model, info = _load_hf(target)
+    gathered = load_file(str(work / "final_fp32.safetensors"))
+    state = model.state_dict()
+    exact = all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in gathered.items())
+    print(f"weights vs the engine's gathered fp32 weights cast to bf16: {'identical' if exact else 'DIFFERENT'}")
+    from engine.demo import synthetic_batch
+
+    batch = synthetic_batch(torch.Generator().manual_seed(99), 8)
+    with torch.no_grad():
+        loss = model(input_ids=batch, labels=batch).loss.item()
+    losses = json.loads((work / "train.json").read_text())["losses"]
+    first, last = losses[0], losses[-1]
+    print(f"loaded bf16 model, loss on fresh synthetic data: {loss:.4f} (training: {first:.4f} -> {last:.4f})")
+    if info or not exact or not loss < first / 2:
+        raise ZckptError("demo check failed: see above")
+
+
+def _load_hf(target: Path):
+    from transformers import AutoModelForCausalLM
+    from transformers.utils import logging as hf_logging
+
+    hf_logging.disable_progress_bar()
+    model, info = AutoModelForCausalLM.from_pretrained(target, output_loading_info=True)
+    problems = {k: v for k, v in info.items() if v and k != "error_msgs"}
+    print(f"transformers loaded {type(model).__name__} in {model.dtype}; missing/unexpected keys: "
+          f"{problems or 'none'}")
+    return model, problems
+
+
+def run_deepspeed_fixture(out: Path | None = None) -> None:
+    """Part 2: the bundled real-DeepSpeed checkpoint."""
+    if not FIXTURE.is_dir():
+        raise SourceNotFoundError(f"{FIXTURE} is missing: the demo needs a source checkout (pip install -e .)")
+    import torch
+    from safetensors.torch import load_file
+    from . import consolidate
+    from .report import inspect, render
+
+    print(f"$ zckpt inspect {FIXTURE}   # a real DeepSpeed 0.19 ZeRO-3 bf16 run (HF Trainer layout)")
     print(render(inspect(FIXTURE)))
     with tempfile.TemporaryDirectory() as tmp:
         target = out or Path(tmp) / "model-bf16"
@@ -35,10 +108,7 @@ def run(out: Path | None = None) -> None:
         result = consolidate(FIXTURE, target, dtype="bf16", overwrite=out is not None, quiet=True)
         print(f"wrote {result.files} + {result.copied} ({result.parameters:,} parameters, {result.dtype}, "
               f"{result.seconds:.2f}s); tied, written once: {result.tied}")
-        model, info = AutoModelForCausalLM.from_pretrained(target, output_loading_info=True)
-        problems = {k: v for k, v in info.items() if v and k != "error_msgs"}
-        print(f"\ntransformers loaded {type(model).__name__} in {model.dtype}; missing/unexpected keys: "
-              f"{problems or 'none'}")
+        model, problems = _load_hf(target)
         reference = _reference_model(model, load_file(str(FIXTURE / "reference.safetensors")))
         ids = torch.arange(0, 32).reshape(2, 16) % model.config.vocab_size
         with torch.no_grad():
