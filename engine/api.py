@@ -1,0 +1,398 @@
+"""The DeepSpeed-compatible face: ``initialize()`` and :class:`Engine`.
+
+Training loop (as with DeepSpeed)::
+
+    engine, optimizer, loader, scheduler = initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    for batch in loader:
+        loss = engine(**batch).loss
+        engine.backward(loss)   # loss / gas * loss_scale, autograd; stage 2/3 reduce-scatter during backward
+        engine.step()           # at the accumulation boundary: reduce (stages 0/1), optimizer step, all-gather
+
+Phases of one optimizer step, by stage (collectives are per unit = flat bucket, see :mod:`engine.partition`):
+
+=====  =========================================  ==================================  =========================
+stage  forward/backward                           boundary                            after the Adam step
+=====  =========================================  ==================================  =========================
+0      full params; grads into flat buffers       all-reduce per unit                 (every rank updated all)
+1      full params; grads into flat buffers       reduce-scatter per unit             all-gather per unit
+2      full params; reduce-scatter per unit as    (done)                              all-gather per unit
+       its grads complete, full grads freed
+3      all-gather per module before forward and   (done)                              cast master -> partition
+       backward, released after; reduce-scatter
+       per unit as its grads complete
+=====  =========================================  ==================================  =========================
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+from types import SimpleNamespace
+
+import torch
+from torch import nn
+
+from engine import comm
+from engine.offload import resolve_placement
+from engine.optimizer import HPARAM_KEYS, ShardedOptimizer
+from engine.partition import bucket_params, build_partition
+from engine.zero.flat import FlatParamManager
+from engine.zero.init import materialize
+from engine.zero.stage3 import PartitionedParamManager
+
+#: Slices are padded to a multiple of this many elements (32 bytes in fp32): aligned collectives on GPUs.
+ALIGN = 8
+
+
+# -- config adapter ---------------------------------------------------------------------------------------------
+def _fallback_config(config, world_size: int):
+    """Minimal stand-in for ``engine.config.load_config`` (used only if that module is absent)."""
+    if isinstance(config, (str, os.PathLike)):
+        config = json.loads(Path(config).read_text())
+    config = dict(config or {})
+    zero = dict(config.get("zero_optimization", {}))
+    fp16, bf16 = dict(config.get("fp16", {})), dict(config.get("bf16", {}))
+    micro = config.get("train_micro_batch_size_per_gpu", 1)
+    gas = config.get("gradient_accumulation_steps", 1)
+    opt = config.get("optimizer")
+    dtype = torch.float16 if fp16.get("enabled") else torch.bfloat16 if bf16.get("enabled") else torch.float32
+    ns = SimpleNamespace
+    return ns(
+        train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
+        train_batch_size=config.get("train_batch_size", micro * gas * world_size),
+        gradient_clipping=float(config.get("gradient_clipping", 0.0)),
+        optimizer=ns(type=opt["type"], **opt.get("params", {})) if opt else None,
+        scheduler=config.get("scheduler"),
+        fp16=ns(enabled=bool(fp16.get("enabled")), loss_scale=fp16.get("loss_scale", 0),
+                initial_scale_power=fp16.get("initial_scale_power", 16),
+                loss_scale_window=fp16.get("loss_scale_window", 1000), hysteresis=fp16.get("hysteresis", 2),
+                min_loss_scale=fp16.get("min_loss_scale", 1)),
+        bf16=ns(enabled=bool(bf16.get("enabled"))),
+        zero=ns(stage=zero.get("stage", 0), reduce_bucket_size=int(zero.get("reduce_bucket_size", 5e8)),
+                allgather_bucket_size=int(zero.get("allgather_bucket_size", 5e8)),
+                param_persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 1e5)),
+                gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save", False),
+                offload_optimizer=zero.get("offload_optimizer"), offload_param=zero.get("offload_param")),
+        steps_per_print=config.get("steps_per_print", 10), compute_dtype=dtype, to_dict=lambda: config)
+
+
+def zero_option(zero_cfg, name: str, default=None):
+    """A ``zero_optimization`` field under its typed name (``param_persistence_threshold``) or DeepSpeed's JSON name
+    (``stage3_param_persistence_threshold``)."""
+    for key in (name, f"stage3_{name}"):
+        value = getattr(zero_cfg, key, None)
+        if value is not None:
+            return value
+    return default
+
+
+def load_engine_config(config, training_args=None, world_size: int = 1):
+    try:
+        from engine.config import load_config
+    except ImportError:
+        return _fallback_config(config, world_size)
+    return load_config(config, training_args=training_args, world_size=world_size)
+
+
+def _make_loss_scaler(cfg):
+    if not cfg.fp16.enabled:
+        return None
+    from engine.precision import make_loss_scaler
+    return make_loss_scaler(cfg.fp16)
+
+
+def _make_scheduler(cfg, optimizer, client_scheduler):
+    if client_scheduler is not None:
+        return client_scheduler(optimizer) if callable(client_scheduler) and not hasattr(
+            client_scheduler, "step") else client_scheduler
+    if getattr(cfg, "scheduler", None) is None:
+        return None
+    from engine.scheduler import build_scheduler
+    return build_scheduler(cfg.scheduler, optimizer)
+
+
+# -- parameter discovery ----------------------------------------------------------------------------------------
+def _param_groups(model: nn.Module, model_parameters, client_optimizer) -> list[tuple[list, dict]]:
+    """``[(params, hparam overrides)]`` from ``model_parameters`` (params or group dicts) or a client optimizer."""
+    if client_optimizer is not None:
+        source = client_optimizer.param_groups
+    elif model_parameters is None:
+        source = [{"params": [p for p in model.parameters() if p.requires_grad]}]
+    else:
+        items = list(model_parameters)
+        if items and isinstance(items[0], dict):
+            source = items
+        else:
+            source = [{"params": items}]
+    seen, groups = set(), []
+    for group in source:
+        params = [p for p in group["params"] if p.requires_grad and id(p) not in seen]
+        seen.update(id(p) for p in params)
+        if params:
+            groups.append((params, {k: group[k] for k in HPARAM_KEYS if k in group}))
+    return groups
+
+
+def _names(model: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
+    """Canonical name per parameter object (first registration) and tied aliases ``alias -> canonical``."""
+    canonical, aliases = {}, {}
+    for name, p in model.named_parameters(remove_duplicate=False):
+        if id(p) in canonical:
+            aliases[name] = canonical[id(p)]
+        else:
+            canonical[id(p)] = name
+    return canonical, aliases
+
+
+def _stage3_units(model: nn.Module, params: list, groups: list[int]) -> list[list[int]]:
+    """One unit per (module, group): the module's direct parameters, the first module to register a param owns it."""
+    index = {id(p): i for i, p in enumerate(params)}
+    taken, units = set(), []
+    for module in model.modules():
+        per_group: dict[int, list[int]] = {}
+        for p in module.parameters(recurse=False):
+            i = index.get(id(p))
+            if i is not None and i not in taken:
+                taken.add(i)
+                per_group.setdefault(groups[i], []).append(i)
+        units.extend(per_group[g] for g in sorted(per_group))
+    return units
+
+
+class Engine(nn.Module):
+    """A ZeRO stage 0-3 data-parallel training engine with DeepSpeed's engine API."""
+
+    def __init__(self, model: nn.Module, config, *, model_parameters=None, client_optimizer=None,
+                 lr_scheduler=None, training_args=None, training_data=None, collate_fn=None):
+        super().__init__()
+        self.ctx = comm.init_distributed()
+        self.config = load_engine_config(config, training_args=training_args, world_size=self.ctx.world_size)
+        self.module = model
+        self.stage = int(self.config.zero.stage)
+        self.compute_dtype = self.config.compute_dtype
+        self.device = self.ctx.device
+        self.placement = resolve_placement(self.config.zero, self.device)
+        self.global_steps = self.global_samples = self.micro_steps = 0
+        self._step_applied = False
+        self._setup_params(model_parameters, client_optimizer)
+        self._setup_buffers()
+        self.loss_scaler = _make_loss_scaler(self.config)
+        self.optimizer = ShardedOptimizer(
+            self.mgr.masters, self.mgr.grad_parts, self.group_hparams, client_optimizer_cfg(
+                client_optimizer, self.config.optimizer),
+            sharded=self.stage > 0, dp_world_size=self.ctx.world_size, comm_device=self.device,
+            loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path)
+        self.lr_scheduler = _make_scheduler(self.config, self.optimizer, lr_scheduler)
+        self.training_dataloader = self._dataloader(training_data, collate_fn) if training_data is not None else None
+
+    # -- setup --------------------------------------------------------------------------------------------------
+    def _setup_params(self, model_parameters, client_optimizer) -> None:
+        model = self.module
+        groups = _param_groups(model, model_parameters, client_optimizer)
+        self.group_hparams = [hp for _, hp in groups]
+        trainable = [p for ps, _ in groups for p in ps]
+        group_of = [g for g, (ps, _) in enumerate(groups) for _ in ps]
+        trainable_ids = {id(p) for p in trainable}
+        unique = list(dict.fromkeys(model.parameters()))  # dedup tied, keep order
+        self.frozen = [p for p in unique if id(p) not in trainable_ids]
+        canonical, self.aliases = _names(model)
+        self.trainable = trainable
+        if self.stage < 3:
+            materialize(unique)
+            units = bucket_params([p.numel() for p in trainable], group_of,
+                                  max(int(self.config.zero.reduce_bucket_size), 1))
+            ws = self.ctx.world_size if self.stage > 0 else 1
+            self.table = build_partition([p.numel() for p in trainable], group_of, units, ws, align=ALIGN)
+            self.mgr = FlatParamManager(
+                trainable, self.table, stage=self.stage, device=self.device, compute_dtype=self.compute_dtype,
+                reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device)
+            for p in self.frozen:
+                p.data = p.data.to(self.device, self.compute_dtype if p.is_floating_point() else p.dtype)
+            _broadcast_flat(self.frozen)
+            self.managed = trainable
+        else:
+            managed = trainable + self.frozen
+            group_of = group_of + [len(groups)] * len(self.frozen)
+            units = _stage3_units(model, managed, group_of)
+            self.table = build_partition([_numel(p) for p in managed], group_of, units, self.ctx.world_size,
+                                         align=ALIGN)
+            self.mgr = PartitionedParamManager(
+                managed, self.table, num_trainable_groups=len(groups), device=self.device,
+                param_device=self.placement.param_device, compute_dtype=self.compute_dtype,
+                reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
+                persistence_threshold=int(zero_option(self.config.zero, "param_persistence_threshold", 0)))
+            self.mgr.install_hooks(model)
+            self.managed = managed
+        self.param_names = [canonical[id(p)] for p in self.trainable]
+        self.frozen_names = [canonical[id(p)] for p in self.frozen]
+
+    def _reduce_dtype(self) -> torch.dtype:
+        """``communication_data_type`` if set; else the compute dtype on NCCL, fp32 on gloo (CPU)."""
+        name = getattr(self.config, "communication_data_type", None)
+        if name:
+            return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
+        return self.compute_dtype if self.ctx.backend == "nccl" else torch.float32
+
+    def _setup_buffers(self) -> None:
+        """Cast floating buffers to the compute dtype (as DeepSpeed's ``module.half()``/``bfloat16()``), move them
+        to the device and broadcast them from rank 0 -- one broadcast per dtype, over a flat copy."""
+        buffers = list(dict.fromkeys(self.module.buffers()))
+        for b in buffers:
+            b.data = b.data.to(self.device, self.compute_dtype if b.is_floating_point() else b.dtype)
+        _broadcast_flat(buffers)
+
+    def _dataloader(self, dataset, collate_fn):
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        sampler = DistributedSampler(dataset, num_replicas=self.ctx.world_size, rank=self.ctx.rank)
+        return DataLoader(dataset, batch_size=self.train_micro_batch_size_per_gpu(), sampler=sampler,
+                          collate_fn=collate_fn)
+
+    # -- the training loop ----------------------------------------------------------------------------------------
+    def forward(self, *inputs, **kwargs):
+        return self.module(*inputs, **kwargs)
+
+    def backward(self, loss: torch.Tensor, retain_graph: bool = False, scale_wrt_gas: bool = True):
+        """``(loss / gas * loss_scale).backward()``, then finish this micro-step's gradient reduction."""
+        scaled = loss.float()
+        gas = self.gradient_accumulation_steps()
+        if scale_wrt_gas and gas > 1:
+            scaled = scaled / gas
+        if self.loss_scaler is not None:
+            scaled = scaled * self.loss_scaler.loss_scale
+        scaled.backward(retain_graph=retain_graph)
+        self.mgr.after_backward()
+        return loss
+
+    @torch.no_grad()
+    def step(self, lr_kwargs=None) -> None:
+        """At the accumulation boundary: reduce (stages 0/1), clip, Adam step, refresh params, scheduler."""
+        self._step_applied = False
+        if self.is_gradient_accumulation_boundary():
+            self.mgr.reduce_at_boundary()
+            overflow = self.optimizer.step(float(self.config.gradient_clipping or 0.0))
+            if not overflow:
+                self.mgr.update_params()
+                if self.lr_scheduler is not None:
+                    self.lr_scheduler.step(**(lr_kwargs or {}))
+            self._step_applied = not overflow
+            self.mgr.zero_grads()
+            self.global_steps += 1
+            self.global_samples += self.train_batch_size()
+        self.micro_steps += 1
+
+    # -- DeepSpeed-compatible accessors -----------------------------------------------------------------------------
+    def is_gradient_accumulation_boundary(self) -> bool:
+        return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return int(self.config.train_micro_batch_size_per_gpu)
+
+    def gradient_accumulation_steps(self) -> int:
+        return int(self.config.gradient_accumulation_steps)
+
+    def train_batch_size(self) -> int:
+        return int(self.config.train_batch_size)
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage
+
+    def get_lr(self) -> list[float]:
+        return [g["lr"] for g in self.optimizer.param_groups]
+
+    def get_global_grad_norm(self) -> float | None:
+        return self.optimizer.last_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.optimizer.skipped_steps
+
+    @property
+    def loss_scale(self) -> float:
+        return float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
+
+    @property
+    def local_rank(self) -> int:
+        return self.ctx.local_rank
+
+    @property
+    def world_size(self) -> int:
+        return self.ctx.world_size
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Gradients are zeroed by :meth:`step`; kept for API compatibility."""
+
+    # -- checkpoints ------------------------------------------------------------------------------------------------
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True, **_ignored):
+        from engine.checkpoint import save_checkpoint
+        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+
+    def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
+                        load_lr_scheduler_states=True, load_module_only=False, **_ignored):
+        from engine.checkpoint import load_checkpoint
+        return load_checkpoint(self, load_dir, tag=tag,
+                               load_optimizer_states=load_optimizer_states and not load_module_only,
+                               load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
+
+    def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors", max_shard_size="5GB"):
+        from engine.checkpoint import save_16bit_model
+        return save_16bit_model(self, save_dir, save_filename=save_filename, max_shard_size=max_shard_size)
+
+    def fp32_state_dict(self) -> dict[str, torch.Tensor]:
+        """Full fp32 master weights (plus frozen params and buffers) on every rank; for tests and small models."""
+        from engine.checkpoint import gather_fp32_state_dict
+        return gather_fp32_state_dict(self)
+
+
+def _broadcast_flat(tensors) -> None:
+    """Broadcast ``tensors`` from rank 0 in place: one flat copy and one broadcast per dtype."""
+    by_dtype: dict[torch.dtype, list] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group in by_dtype.values():
+        flat = torch.cat([t.data.reshape(-1) for t in group])
+        if flat.numel() == 0:
+            continue
+        comm.broadcast_(flat, 0)
+        offset = 0
+        for t in group:
+            t.data.copy_(flat[offset: offset + t.numel()].view(t.shape))
+            offset += t.numel()
+
+
+def _numel(p) -> int:
+    return int(p.ds_numel) if hasattr(p, "ds_numel") and p.numel() == 0 else p.numel()
+
+
+def client_optimizer_cfg(client_optimizer, config_optimizer):
+    """The optimizer section to use: the config's, or one describing a client torch Adam/AdamW."""
+    if client_optimizer is None:
+        if config_optimizer is None:
+            raise ValueError("no optimizer: add an \"optimizer\" section to the config (e.g. "
+                             "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=")
+        return config_optimizer
+    name = type(client_optimizer).__name__
+    if name not in ("Adam", "AdamW"):
+        raise ValueError(f"client optimizer {name} is not supported; pass torch.optim.Adam/AdamW or use the config")
+    d = client_optimizer.defaults
+    return {"type": name, "lr": d["lr"], "betas": d["betas"], "eps": d["eps"], "weight_decay": d["weight_decay"]}
+
+
+def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
+               training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
+               config=None, config_params=None, training_args=None):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+    if model is None:
+        raise ValueError("initialize() needs model=")
+    if config is None:
+        config = config_params if config_params is not None else getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("initialize() needs config= (a dict or a path to a DeepSpeed-style JSON config)")
+    engine = Engine(model, config, model_parameters=model_parameters, client_optimizer=optimizer,
+                    lr_scheduler=lr_scheduler, training_args=training_args, training_data=training_data,
+                    collate_fn=collate_fn)
+    return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -1,0 +1,112 @@
+"""Where optimizer state and stage-3 parameter partitions live: device, CPU, or (optimizer state) NVMe files.
+
+* ``offload_optimizer.device = cpu``: fp32 master partition, fp32 gradient partition and Adam moments are allocated on
+  CPU (pinned when CUDA is present, so host<->device copies can be asynchronous). Gradients are reduced on the
+  compute device and copied to CPU; the Adam step runs on CPU (torch foreach kernels); updated masters are copied
+  back and cast into the compute-dtype parameters. On a CPU-only machine this is the default placement anyway.
+* ``offload_optimizer.device = nvme``: as CPU, and additionally the Adam moments are written to raw files under
+  ``nvme_path`` after every step and read back before the next one (:class:`NvmeStateSwapper`). Simple and correct,
+  **not optimised** (synchronous, no double buffering, no O_DIRECT).
+* ``offload_param.device = cpu`` (stage 3): the compute-dtype parameter partitions live on CPU; each gather copies the
+  rank's slice to the device, all-gathers there, and the full unit is freed after use.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+
+def _device_name(sub) -> str:
+    if sub is None:
+        return "none"
+    dev = getattr(sub, "device", None) if not isinstance(sub, dict) else sub.get("device")
+    return str(dev or "none").lower()
+
+
+def _nvme_path(sub) -> str | None:
+    if sub is None:
+        return None
+    return sub.get("nvme_path") if isinstance(sub, dict) else getattr(sub, "nvme_path", None)
+
+
+@dataclass(frozen=True)
+class Placement:
+    """Resolved placement of the engine's state."""
+
+    master_device: torch.device  # fp32 masters, fp32 grad partitions, Adam moments
+    param_device: torch.device  # stage-3 compute-dtype parameter partitions
+    nvme_path: str | None  # set when Adam moments are swapped to files
+    pin_memory: bool
+
+
+def resolve_placement(zero_cfg, compute_device: torch.device) -> Placement:
+    """Read ``offload_optimizer`` / ``offload_param`` from the ZeRO config section."""
+    opt_sub = getattr(zero_cfg, "offload_optimizer", None)
+    par_sub = getattr(zero_cfg, "offload_param", None)
+    opt_dev, par_dev = _device_name(opt_sub), _device_name(par_sub)
+    cpu = torch.device("cpu")
+    master = cpu if opt_dev in ("cpu", "nvme") else compute_device
+    param = cpu if par_dev in ("cpu", "nvme") else compute_device
+    nvme = None
+    if opt_dev == "nvme":
+        nvme = _nvme_path(opt_sub)
+        if not nvme:
+            raise ValueError("zero_optimization.offload_optimizer.device is 'nvme' but nvme_path is not set; "
+                             "set offload_optimizer.nvme_path to a writable local directory")
+    return Placement(master, param, nvme, compute_device.type == "cuda" and master.type == "cpu")
+
+
+def allocate(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
+    """A zeroed fp32 flat buffer; pinned host memory when ``pin`` (CPU offload next to a GPU)."""
+    t = torch.zeros(numel, dtype=torch.float32, device=device)
+    return t.pin_memory() if pin and device.type == "cpu" else t
+
+
+class NvmeStateSwapper:
+    """Moves an optimizer's tensor state to raw files between steps (one file per group and state key).
+
+    Files: ``<nvme_path>/zckpt-engine-rank<r>/group<g>.<key>.bin``, raw little-endian element bytes (numpy
+    ``tofile``; no pickle). While swapped out, each state tensor is replaced by an empty tensor of the same dtype.
+    """
+
+    def __init__(self, nvme_path: str, rank: int):
+        self.dir = Path(nvme_path) / f"zckpt-engine-rank{rank}"
+        self.dir.mkdir(parents=True, exist_ok=True)
+        self.meta: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
+        self.swapped = False
+
+    def _file(self, g: int, key: str) -> Path:
+        return self.dir / f"group{g}.{key}.bin"
+
+    def swap_out(self, optimizer: torch.optim.Optimizer) -> None:
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key, t in state.items():
+                    if isinstance(t, torch.Tensor) and t.numel() > 1:
+                        self.meta[(g, key)] = (tuple(t.shape), t.dtype, t.device)
+                        t.detach().cpu().numpy().tofile(self._file(g, key))
+                        state[key] = torch.empty(0, dtype=t.dtype, device=t.device)
+        self.swapped = True
+
+    def swap_in(self, optimizer: torch.optim.Optimizer) -> None:
+        if not self.swapped:
+            return
+        for g, group in enumerate(optimizer.param_groups):
+            for p in group["params"]:
+                state = optimizer.state.get(p, {})
+                for key in list(state.keys()):
+                    if (g, key) in self.meta:
+                        shape, dtype, device = self.meta[(g, key)]
+                        arr = np.fromfile(self._file(g, key), dtype=np.dtype(str(dtype).replace("torch.", "")))
+                        state[key] = torch.from_numpy(arr).reshape(shape).to(device)
+        self.swapped = False
+
+    def cleanup(self) -> None:
+        for f in self.dir.glob("group*.bin"):
+            os.unlink(f)

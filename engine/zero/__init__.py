@@ -1,0 +1,10 @@
+"""ZeRO parameter/gradient management, and DeepSpeed's ``zero`` namespace (``Init``, ``GatheredParameters``).
+
+* :mod:`engine.zero.flat` -- stages 0-2: full parameters as views into flat per-unit buffers.
+* :mod:`engine.zero.stage3` -- stage 3: partitioned parameters gathered per module by hooks.
+* :mod:`engine.zero.init` -- ``Init`` (partition while constructing) and ``GatheredParameters``.
+"""
+
+from engine.zero.init import GatheredParameters, Init
+
+__all__ = ["Init", "GatheredParameters"]
