@@ -124,7 +124,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--double", action="store_true", help="also measure a model twice the size")
     parser.add_argument("--configs", nargs="+", default=list(CONFIGS))
+    parser.add_argument("--plot", type=Path, help="write a PNG chart of the results here (needs matplotlib)")
+    parser.add_argument("--plot-only", type=Path, help="only plot an existing results.json")
     args = parser.parse_args()
+    if args.plot_only:
+        plot(json.loads(args.plot_only.read_text()), args.plot)
+        return
     args.work.mkdir(parents=True, exist_ok=True)
     models = ["340M", "690M"] if args.double else ["340M"]
     results = {"machine": f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
@@ -139,6 +144,31 @@ def main() -> None:
             print(json.dumps({key: results["results"][key]}, indent=1), flush=True)
     (args.work / "results.json").write_text(json.dumps(results, indent=2))
     print(render(results))
+    if args.plot:
+        plot(results, args.plot)
+
+
+def plot(results: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    keys = list(results["results"])
+    tools = [t for t, r in results["results"][keys[0]].items() if isinstance(r, dict)]
+    fig, axes = plt.subplots(1, 2, figsize=(12, 4.2))
+    width = 0.8 / len(tools)
+    for ax, metric, label in ((axes[0], "wall_s", "wall time (s)"), (axes[1], "peak_rss_mb", "peak RSS (MiB)")):
+        for i, tool in enumerate(tools):
+            values = [results["results"][k][tool][metric] for k in keys]
+            ax.bar([x + i * width for x in range(len(keys))], values, width, label=tool)
+        ax.set_xticks([x + width * (len(tools) - 1) / 2 for x in range(len(keys))], keys, fontsize=8)
+        ax.set_ylabel(label)
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend(fontsize=7)
+    fig.suptitle("zckpt consolidate vs DeepSpeed zero_to_fp32 (medians; " + results["machine"] + ")", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
 
 
 def render(results: dict) -> str:
