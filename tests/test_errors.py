@@ -137,11 +137,11 @@ def test_failure_mid_write_leaves_nothing(monkeypatch, tmp_path):
     calls = {"n": 0}
     real = safetensors_stream.PositionalWriter.write
 
-    def failing(self, name, data):  # noqa: D401
+    def failing(self, name, data, at=0):
         calls["n"] += 1
         if calls["n"] == 3:
             raise OSError(28, "No space left on device")
-        return real(self, name, data)
+        return real(self, name, data, at)
 
     monkeypatch.setattr(safetensors_stream.PositionalWriter, "write", failing)
     with pytest.raises(OSError):

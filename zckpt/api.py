@@ -49,7 +49,7 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
 
     started = time.perf_counter()
     out = Path(out)
-    torch_dtype = parse_dtype(dtype)
+    dtype = parse_dtype(dtype)
     max_shard_size = parse_size(max_shard_size)
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
@@ -58,11 +58,11 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     with staged_output(out, overwrite) as staging, \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate",
                  disable=quiet) as bar:
-        written = write_weights(plan, staging, torch_dtype, max_shard_size=max_shard_size, progress=bar,
+        written = write_weights(plan, staging, dtype, max_shard_size=max_shard_size, progress=bar,
                                 workers=workers)
-        copied = copy_model_files(Path(plan.model_dir) if plan.model_dir else None, staging, torch_dtype)
+        copied = copy_model_files(Path(plan.model_dir) if plan.model_dir else None, staging, dtype)
     return ConsolidateResult(
-        source=plan.source, tag=plan.tag, out=str(out), dtype=str(torch_dtype).removeprefix("torch."),
+        source=plan.source, tag=plan.tag, out=str(out), dtype=dtype or "as stored",
         files=written.files, copied=copied, tensors=written.tensors, parameters=written.parameters,
         tied=dict(plan.aliases), bytes_written=written.bytes_written,
         seconds=round(time.perf_counter() - started, 3))
@@ -104,11 +104,12 @@ def iter_state_dict(src: str | Path, dtype: "str | torch.dtype | None" = "fp32",
 
     Tied aliases are not yielded; ``zckpt.open_plan(src).aliases`` lists them.
     """
-    from .assemble import cast, default_workers, iter_assembled, parse_dtype
+    from .assemble import default_workers, iter_assembled, parse_dtype
+    from .tensors import cast, read_tensor
 
-    torch_dtype = parse_dtype(dtype)
+    name = parse_dtype(dtype)
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
-    for tplan, tensor in iter_assembled(plan.tensors, lambda t, x: cast(x, torch_dtype),
+    for tplan, tensor in iter_assembled(plan.tensors, lambda t, files: cast(read_tensor(t, files), name),
                                         workers=workers or default_workers()):
         yield tplan.name, tensor
 

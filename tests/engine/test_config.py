@@ -431,6 +431,10 @@ def test_total_steps_from_num_training_steps_and_unresolvable():
         load_config(config, training_args=dict(ARGS, max_steps=-1))
     with pytest.raises(ConfigError, match="total_num_steps is required for WarmupDecayLR"):
         load_config({"train_batch_size": 8, "scheduler": {"type": "WarmupDecayLR", "params": {}}})
+    assert load_config(config, training_args=dict(ARGS), num_training_steps=200).scheduler.params.total_num_steps \
+        == 200  # equal to max_steps, as HF Trainer passes it
+    with pytest.raises(ConfigError, match="^num_training_steps=500 contradicts training_args.max_steps=200; pass"):
+        load_config(config, training_args=dict(ARGS), num_training_steps=500)
 
 
 def test_unusable_training_argument_is_a_config_error():
@@ -680,3 +684,53 @@ def test_docs_list_every_key_with_its_kind():
     code = {key: kind for key, kind, _ in describe_keys()}
     assert rows == code, {k: (rows.get(k), code.get(k)) for k in rows.keys() ^ code.keys() | {
         k for k in rows.keys() & code.keys() if rows[k] != code[k]}}
+
+
+# ---- engine.initialize plumbing ------------------------------------------------------------------------------------
+
+@pytest.fixture
+def world_of_one(monkeypatch):
+    """engine.initialize in this process: no launcher variables, so the engine forms a gloo world of one; the
+    process group is destroyed afterwards."""
+    import torch.distributed as dist
+
+    for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+        monkeypatch.delenv(name, raising=False)
+    assert not dist.is_initialized()
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_initialize_resolves_the_hf_zero3_auto_config_and_trains(world_of_one):
+    """The guide's ZeRO-3 config as is: batch/optimizer/scheduler from training_args, the hidden-size buckets from
+    the model, the warmup ratio from num_training_steps (max_steps=-1, as with an epoch-based HF run)."""
+    transformers = pytest.importorskip("transformers")
+    import engine
+
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=176, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+        vocab_size=128, tie_word_embeddings=True))
+    args = dict(ARGS, fp16=False, max_steps=-1, learning_rate=1e-3)
+    config = json.loads(ZERO3_AUTO)
+    with pytest.raises(ConfigError, match="warmup_num_steps is \"auto\" but the total step count is unknown"):
+        engine.initialize(model=model, model_parameters=model.parameters(), config=config, training_args=args)
+    eng, _, _, scheduler = engine.initialize(model=model, model_parameters=model.parameters(), config=config,
+                                             training_args=args, num_training_steps=30)
+    cfg = eng.config
+    assert (eng.world_size, eng.zero_optimization_stage(), eng.train_batch_size(), cfg.compute_dtype) == \
+        (1, 3, 8, torch.float32)
+    zero = cfg.zero
+    assert (zero.reduce_bucket_size, zero.prefetch_bucket_size, zero.param_persistence_threshold) == \
+        (64 * 64, int(0.9 * 64 * 64), 640)
+    assert zero.offload_optimizer.device == zero.offload_param.device == "cpu"
+    assert (cfg.scheduler.type, cfg.scheduler.params.warmup_num_steps) == ("WarmupLR", 3)  # ceil(0.1 * 30)
+    before = eng.fp32_state_dict()
+    ids = torch.randint(0, 128, (4, 16), generator=torch.Generator().manual_seed(0))
+    for _ in range(3 * eng.gradient_accumulation_steps()):  # WarmupLR (as DeepSpeed's) runs two steps at lr 0
+        eng.backward(eng(input_ids=ids, labels=ids).loss)
+        eng.step()
+    assert eng.global_steps == 3 and scheduler is eng.lr_scheduler and eng.get_lr() == [1e-3]  # warmed up
+    after = eng.fp32_state_dict()
+    assert sorted(after) == sorted(before) and any(not torch.equal(before[n], after[n]) for n in before)

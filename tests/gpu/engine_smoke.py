@@ -3,10 +3,12 @@
 round trip.
 
     torchrun --nproc_per_node 2 tests/gpu/engine_smoke.py [--dtype bf16] [--steps 6] [--size small] [--out DIR]
+                                                          [--no-zero-init]
 
-Prints, per stage, the losses, the median step time, peak GPU memory, and whether a save/load round trip restored the
-fp32 masters bit-exactly. Exits non-zero on any failure. Expects CUDA (the engine then picks NCCL and
-cuda:LOCAL_RANK by itself).
+Stage 3 builds the model under ``engine.zero.Init`` (HF's init runs on gathered weights, so the model is the same
+as a plain build). Prints, per stage, the losses, the median step time, peak GPU memory, and whether a save/load
+round trip restored the fp32 masters bit-exactly. Exits non-zero on any failure. Expects CUDA (the engine then picks
+NCCL and cuda:LOCAL_RANK by itself).
 """
 
 from __future__ import annotations
@@ -52,10 +54,8 @@ def run_stage(stage: int, args, ckpt_root: Path) -> None:
     torch.manual_seed(0)
     mcfg = LlamaConfig(tie_word_embeddings=True, **SIZES[args.size])
     cfg = config(stage, args.dtype, args.micro)
-    if stage == 3 and args.zero_init:  # note: HF post_init cannot re-init partitioned weights (see docs/engine.md)
-        with engine.zero.Init(config_dict_or_path=cfg):
-            model = LlamaForCausalLM(mcfg)
-    else:
+    # Stage 3 builds under zero.Init (HF's post_init still runs on gathered weights: same init as a plain build).
+    with engine.zero.Init(config_dict_or_path=cfg, enabled=stage == 3 and args.zero_init):
         model = LlamaForCausalLM(mcfg)
     eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     device = eng.device
@@ -95,7 +95,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=6)
     ap.add_argument("--micro", type=int, default=4)
     ap.add_argument("--seq", type=int, default=256)
-    ap.add_argument("--zero-init", action="store_true", help="build the stage-3 model under engine.zero.Init")
+    ap.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
+                    help="build the stage-3 model under engine.zero.Init (default; --no-zero-init builds it whole "
+                         "on every rank and partitions it in initialize())")
     ap.add_argument("--out", default=None, help="checkpoint directory (default: a temp dir)")
     args = ap.parse_args()
     if not torch.cuda.is_available():

@@ -14,10 +14,9 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from ..assemble import DTYPES, cast, default_workers, iter_assembled
-from ..plan import CheckpointPlan, TensorPlan
+from ..assemble import default_workers, iter_assembled
+from ..cast import output_dtype, write_cast
+from ..plan import DTYPE_SIZES, CheckpointPlan, TensorPlan
 from .safetensors_stream import Entry, PositionalWriter
 
 WEIGHTS_NAME = "model.safetensors"
@@ -29,7 +28,6 @@ MODEL_FILES = (
     "processor_config.json",
 )
 _CODE_FILE_RE = re.compile(r"^(configuration|modeling|tokenization)_\w+\.py$")
-_DTYPE_CONFIG_NAMES = {torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float32: "float32"}
 
 
 @dataclass
@@ -41,37 +39,35 @@ class WriteResult:
     bytes_written: int = 0
 
 
-def out_dtype(plan: TensorPlan, dtype: torch.dtype | None) -> torch.dtype:
-    stored = DTYPES[plan.dtype]
-    return dtype if dtype is not None and plan.is_float else stored
-
-
-def plan_shards(plan: CheckpointPlan, dtype: torch.dtype | None, max_shard_size: int | str):
+def plan_shards(plan: CheckpointPlan, dtype: str | None, max_shard_size: int | str):
     """Shard assignment for the output, from sizes alone (no tensor is read)."""
     from huggingface_hub import split_state_dict_into_shards_factory
 
     by_name = {t.name: t for t in plan.tensors}
 
     def size(t: TensorPlan) -> int:
-        return t.numel * torch.empty((), dtype=out_dtype(t, dtype)).element_size()
+        return t.numel * DTYPE_SIZES[output_dtype(t, dtype)]
 
     split = split_state_dict_into_shards_factory(
         by_name, get_storage_size=size, filename_pattern="model{suffix}.safetensors", max_shard_size=max_shard_size)
     return split, by_name
 
 
-def write_weights(plan: CheckpointPlan, out_dir: Path, dtype: torch.dtype | None, *,
+def write_weights(plan: CheckpointPlan, out_dir: Path, dtype: str | None, *,
                   max_shard_size: int | str = "5GB", progress=None, workers: int | None = None) -> WriteResult:
     split, by_name = plan_shards(plan, dtype, max_shard_size)
     result = WriteResult()
     order = {t.name: i for i, t in enumerate(plan.tensors)}
     for filename, names in split.filename_to_tensors.items():
         tensors = sorted((by_name[n] for n in names), key=lambda t: order[t.name])
-        entries = [Entry(t.name, out_dtype(t, dtype), t.shape) for t in tensors]
+        entries = [Entry(t.name, output_dtype(t, dtype), t.shape) for t in tensors]
         with open(out_dir / filename, "wb") as fh:
             writer = PositionalWriter(fh.fileno(), entries, metadata={"format": "pt"})
-            stream = iter_assembled(tensors, lambda t, x: writer.write(t.name, cast(x, out_dtype(t, dtype))),
-                                    workers=workers or default_workers())
+
+            def job(t: TensorPlan, files) -> int:
+                return write_cast(t, files, dtype, lambda data, at: writer.write(t.name, data, at))
+
+            stream = iter_assembled(tensors, job, workers=workers or default_workers())
             for tplan, nbytes in stream:
                 result.bytes_written += nbytes
                 result.tensors += 1
@@ -88,7 +84,7 @@ def write_weights(plan: CheckpointPlan, out_dir: Path, dtype: torch.dtype | None
     return result
 
 
-def copy_model_files(model_dir: Path | None, out_dir: Path, dtype: torch.dtype | None) -> list[str]:
+def copy_model_files(model_dir: Path | None, out_dir: Path, dtype: str | None) -> list[str]:
     """Copy config/generation config/tokenizer (and remote-code) files; set the config's dtype to the output's."""
     if model_dir is None:
         return []
@@ -104,9 +100,9 @@ def copy_model_files(model_dir: Path | None, out_dir: Path, dtype: torch.dtype |
     return copied
 
 
-def _write_config(src: Path, dst: Path, dtype: torch.dtype) -> None:
+def _write_config(src: Path, dst: Path, dtype: str) -> None:
     config = json.loads(src.read_text(encoding="utf-8"))
-    name = _DTYPE_CONFIG_NAMES[dtype]
+    name = dtype
     keys = [k for k in ("dtype", "torch_dtype") if k in config] or ["dtype"]
     for key in keys:
         config[key] = name

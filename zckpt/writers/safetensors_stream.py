@@ -15,26 +15,24 @@ import os
 import struct
 import threading
 from dataclasses import dataclass
-import torch
 
-from ..assemble import byte_view
+from ..plan import DTYPE_SIZES
 
 SAFETENSORS_DTYPES = {
-    torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
-    torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
-    torch.bool: "BOOL",
+    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
+    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
 }
 
 
 @dataclass(frozen=True)
 class Entry:
     name: str
-    dtype: torch.dtype
+    dtype: str  # torch's name: "bfloat16", "float32", ...
     shape: tuple[int, ...]
 
     @property
     def nbytes(self) -> int:
-        return math.prod(self.shape) * torch.empty((), dtype=self.dtype).element_size()
+        return math.prod(self.shape) * DTYPE_SIZES[self.dtype]
 
 
 def build_header(entries: list[Entry], metadata: dict[str, str] | None) -> bytes:
@@ -70,18 +68,20 @@ class PositionalWriter:
         self._lock = threading.Lock()
         _pwrite_all(fd, memoryview(header), 0)
 
-    def write(self, name: str, tensor: torch.Tensor) -> int:
-        """Write ``tensor`` (already at the entry's dtype and shape) into its slot; thread-safe."""
+    def write(self, name: str, data: memoryview, at: int = 0) -> int:
+        """Write raw bytes (already at the entry's dtype) at byte ``at`` of the entry's slot; thread-safe.
+
+        An entry may arrive in several pieces; it counts as written once its last byte is."""
         offset, nbytes = self._slots[name]
-        tensor = tensor.contiguous()
-        if tensor.numel() * tensor.element_size() != nbytes:
-            raise RuntimeError(f"internal: {name} has {tensor.numel() * tensor.element_size()} bytes, "
-                               f"header says {nbytes}")
-        _pwrite_all(self._fd, byte_view(tensor), offset)
-        _start_writeback(self._fd, offset, nbytes)
-        with self._lock:
-            self._pending.discard(name)
-        return nbytes
+        data = memoryview(data).cast("B")
+        if at < 0 or at + len(data) > nbytes:
+            raise RuntimeError(f"internal: {name} bytes [{at}, {at + len(data)}) outside its {nbytes}-byte slot")
+        _pwrite_all(self._fd, data, offset + at)
+        _start_writeback(self._fd, offset + at, len(data))
+        if at + len(data) == nbytes:
+            with self._lock:
+                self._pending.discard(name)
+        return len(data)
 
     def close(self) -> None:
         if self._pending:
