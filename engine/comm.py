@@ -7,6 +7,10 @@ Process-group setup (:func:`init_distributed`) and the handful of collectives th
 * :func:`reduce_scatter_` -- stages 1-3 gradients: full flat unit gradient in, this rank's slice out;
 * :func:`all_gather_` -- stages 1-3 parameters: this rank's slice in, full flat unit out;
 * :func:`broadcast_` -- initial parameters and buffers from rank 0;
+* :class:`Pending` -- the handle of a collective issued with ``async_op=True`` (stage 3 prefetch and overlapped
+  gradient reduction); its :meth:`Pending.wait` is the only place the engine waits on one. On NCCL the collective
+  runs on the process group's internal stream and ``wait()`` makes the *current* stream wait for it (the host does
+  not block); on gloo it runs on a gloo worker thread and ``wait()`` blocks the host until the buffers are written.
 * :func:`broadcast_json` / :func:`all_gather_json` -- small control messages (checkpoint tag, file hashes) carried as
   uint8 tensors: no pickle, unlike ``broadcast_object_list``.
 
@@ -100,33 +104,65 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+class Pending:
+    """An in-flight collective (or an already finished one: world of one, ``async_op=False``).
+
+    ``wait()`` is idempotent; the output buffer must not be read, and the input buffer not written or freed, before
+    it returns. ``issued`` counts collectives started with this class, for tests and reports.
+    """
+
+    __slots__ = ("_work",)
+    issued = 0
+
+    def __init__(self, work=None):
+        self._work = work
+        Pending.issued += 1
+
+    @property
+    def done(self) -> bool:
+        return self._work is None
+
+    def wait(self) -> None:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+
+
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 @torch.no_grad()
 def reduce_scatter_(out: torch.Tensor, full: torch.Tensor, async_op: bool = False):
-    """Sum ``full`` (``world_size * out.numel()`` elements, flat) across ranks; rank r receives slice r in ``out``."""
+    """Sum ``full`` (``world_size * out.numel()`` elements, flat) across ranks; rank r receives slice r in ``out``.
+
+    With ``async_op`` returns a :class:`Pending` to wait on before reading ``out`` or reusing ``full``."""
     if world_size() == 1:
         out.copy_(full)
-        return None
-    return _reduce_scatter(out, full, async_op=async_op)
+        return Pending() if async_op else None
+    work = _reduce_scatter(out, full, async_op=async_op)
+    return Pending(work) if async_op else None
 
 
 @torch.no_grad()
 def all_gather_(full: torch.Tensor, piece: torch.Tensor, async_op: bool = False):
-    """Concatenate every rank's ``piece`` into ``full`` (flat, ``world_size * piece.numel()`` elements)."""
+    """Concatenate every rank's ``piece`` into ``full`` (flat, ``world_size * piece.numel()`` elements).
+
+    ``piece`` may be this rank's slice of ``full`` (in place) or a separate tensor (cheaper on gloo: no clone).
+    With ``async_op`` returns a :class:`Pending` to wait on before reading ``full``."""
     if world_size() == 1:
         if full.data_ptr() != piece.data_ptr():
             full.copy_(piece)
-        return None
+        return Pending() if async_op else None
     if dist.get_backend() == "gloo":
         # gloo's all_gather_single splits ``full`` into multi-output views on its worker thread (where autograd
         # view checks still apply) and may not support an aliased input: use the list form over narrow slices.
         n = piece.numel()
         outs = [full[r * n:(r + 1) * n] for r in range(world_size())]
-        return dist.all_gather(outs, piece.clone() if _aliases(piece, full) else piece, async_op=async_op)
-    return _all_gather(full, piece, async_op=async_op)
+        work = dist.all_gather(outs, piece.clone() if _aliases(piece, full) else piece, async_op=async_op)
+    else:
+        work = _all_gather(full, piece, async_op=async_op)
+    return Pending(work) if async_op else None
 
 
 def _aliases(a: torch.Tensor, b: torch.Tensor) -> bool:

@@ -5,31 +5,47 @@ Storage: per group a flat compute-dtype **param partition** (on the compute devi
 ``.data`` is an empty tensor; ``param.ds_shape`` / ``ds_numel`` keep its real size (DeepSpeed names).
 Frozen parameters are partitioned too (an extra group with no fp32 master).
 
-Communication phases
---------------------
-* forward: a module's pre-forward hook all-gathers the units holding its direct parameters (one all-gather per unit;
-  a tied parameter lives in one unit, owned by the first module that registered it); the post-forward hook releases
-  them and wraps the module's outputs in :class:`_PreBackward`.
+Communication phases (``overlap_comm`` on, the default; see :class:`~engine.zero.prefetch.Stage3Options`)
+--------------------------------------------------------------------------------------------------------
+* forward: the root module's pre-hook starts a **pass** (:class:`~engine.zero.prefetch.FetchTrace`). A module's
+  pre-forward hook needs the units holding its direct parameters (a tied parameter lives in one unit, owned by the
+  first module that registered it): it issues the all-gather of each unit not yet gathered (``async_op=True``, one
+  collective per unit, into a fresh flat buffer; the input is the partition slice itself), then **prefetches** --
+  issues the all-gathers of the units of the next recorded events, up to ``prefetch_bucket_size`` elements ahead and
+  ``max_live_parameters`` gathered -- and only then waits for its own units' handles (:meth:`comm.Pending.wait`: on
+  NCCL the current stream waits for the NCCL stream, on gloo the host waits for the gloo thread). So unit k+1's
+  all-gather is in flight while unit k computes. The post-forward hook releases the units unless the trace says
+  they are used again within ``max_reuse_distance`` elements (with DeepSpeed's defaults: a unit gathered in forward
+  stays gathered until its backward), and wraps the outputs in :class:`_PreBackward`.
 * backward: :class:`_PreBackward` fires when the gradient of the module's outputs arrives, i.e. just before the
-  module's own backward, and re-gathers its units. A post-accumulate-grad hook on every trainable parameter counts a
-  unit's gradients; once complete they are packed, reduce-scattered into the rank's fp32 gradient slice, freed, and
-  the unit is released. :meth:`after_backward` flushes incomplete units in unit order and releases everything left.
+  module's own backward: the same fetch + prefetch (reverse module order, from the recorded trace). A
+  post-accumulate-grad hook on every trainable parameter counts a unit's gradients; once complete they are packed
+  into a flat buffer and its reduce-scatter is *issued* (``async_op=True``), the full gradients are freed and the
+  unit released. The handles are waited in issue order (FIFO: the fp32 slice additions happen in the same order as
+  synchronously) when more than ``reduce_bucket_size`` elements are outstanding, and all of them by
+  :meth:`reduce_at_boundary` (before the optimizer step) or :meth:`zero_grads`. :meth:`after_backward` flushes
+  incomplete units in unit order, ends the pass and releases everything left (waiting any in-flight gather first).
 * after the optimizer step: the fp32 master partition is cast into the param partition (no communication);
-  persistent units (``numel < stage3_param_persistence_threshold``) are re-gathered, one all-gather each.
+  persistent units (``numel < stage3_param_persistence_threshold``) and units held by a user context are
+  re-gathered: all their all-gathers issued, then all waited.
 
-Every rank issues the same collectives in the same order because every rank runs the same graph.
+``overlap_comm`` off: every all-gather and reduce-scatter is synchronous and issued where it is needed (no
+prefetch). Collectives move bytes and sum each element in the same order either way, so losses and weights are
+bit-identical with and without overlap. Every rank issues the same collectives in the same order because every
+rank runs the same graph and the schedule depends only on it.
 """
 
 from __future__ import annotations
 
 import contextlib
+from collections import Counter, deque
 
 import torch
 from torch import nn
 
 from engine import comm
 from engine.partition import PartitionTable, Unit
-from engine.zero.flat import reduce_unit_grads
+from engine.zero.prefetch import FetchTrace, Stage3Options
 
 _EMPTY_CACHE: dict = {}
 
@@ -52,7 +68,7 @@ class _PreBackward(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, *grads):
-        ctx.manager.fetch(ctx.units)
+        ctx.manager.fetch_for_hook(ctx.units)
         return (None, None) + grads
 
 
@@ -71,32 +87,49 @@ def _map_tensors(obj, fn):
     return obj
 
 
+
 class PartitionedParamManager:
-    """Owns stage-3 parameter partitions, gather/release, hooks and gradient reduction."""
+    """Owns stage-3 parameter partitions, gather/prefetch/release, hooks and gradient reduction."""
 
     def __init__(self, params: list[nn.Parameter], table: PartitionTable, *, num_trainable_groups: int,
                  device: torch.device, param_device: torch.device, compute_dtype: torch.dtype,
-                 reduce_dtype: torch.dtype, master_device: torch.device, persistence_threshold: int = 0):
+                 reduce_dtype: torch.dtype, master_device: torch.device, persistence_threshold: int = 0,
+                 options: Stage3Options | None = None):
         self.params, self.table = params, table
         self.device, self.param_device = device, param_device
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
         self.rank, self.ws = comm.rank(), table.world_size
         self.num_trainable_groups = num_trainable_groups
+        self.opts = options or Stage3Options()
         self.shapes = [p.ds_shape if hasattr(p, "ds_shape") else tuple(p.shape) for p in params]
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel[:num_trainable_groups]]
         self.grad_parts = [torch.zeros_like(m) for m in self.masters]
         self.part = [torch.zeros(n, dtype=compute_dtype, device=param_device) for n in table.group_partition_numel]
-        self.full: list[torch.Tensor | None] = [None] * len(table.units)
-        self.active = [0] * len(table.units)
+        n_units = len(table.units)
+        self.full: list[torch.Tensor | None] = [None] * n_units  # gathered flat buffer (maybe still in flight)
+        self.pending: list[comm.Pending | None] = [None] * n_units  # all-gather handle, until waited
+        self.active = [0] * n_units
         self.persistent = [u.numel < persistence_threshold for u in table.units]
+        self.padded = [u.padded_numel(self.ws) for u in table.units]
+        self.live_numel = 0  # elements of gathered (or in-flight) non-persistent units
+        self.trace = FetchTrace(self.padded)
+        self._scan = 0  # first trace event not yet considered for prefetch in this pass
+        self._ahead: dict[int, int] = {}  # prefetched units not used yet -> elements
+        self._ahead_numel = 0
+        self._reductions: deque = deque()  # (handle, flat, piece, out) of issued reduce-scatters, FIFO
+        self._reduction_numel = 0
+        self.stats: Counter = Counter()  # all_gathers, prefetched, prefetch_hits, reduce_scatters
         self._pending = [set() for _ in table.units]
-        self._reduced = [False] * len(table.units)
+        self._reduced = [False] * n_units
         self._hooks: list = []
         self._partition_all()
-        for u, keep in enumerate(self.persistent):
-            if keep:
-                self._gather(u)
+        self.fetch([u for u, keep in enumerate(self.persistent) if keep])
+
+    def set_options(self, options: Stage3Options) -> None:
+        """Switch communication options (between steps): finishes whatever is in flight first."""
+        self._settle()
+        self.opts = options
 
     # -- init ---------------------------------------------------------------------------------------------------
     def _partition_all(self) -> None:
@@ -128,38 +161,126 @@ class PartitionedParamManager:
                 for attr in ("_zero_init_store", "_zero_init_slot"):
                     p.__dict__.pop(attr, None)
 
-    # -- gather / release ---------------------------------------------------------------------------------------
+    # -- gather / wait / release ----------------------------------------------------------------------------------
     def _slice(self, unit: Unit) -> torch.Tensor:
         return self.part[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
 
-    def _gather(self, unit_id: int) -> None:
+    def _issue(self, unit_id: int) -> None:
+        """Start the all-gather of ``unit_id`` into a fresh flat buffer: asynchronous with ``overlap_comm`` (the
+        handle is kept in ``pending``; parameters are pointed at the buffer by :meth:`_wait`), else synchronous."""
         unit = self.table.units[unit_id]
-        full = torch.empty(unit.padded_numel(self.ws), dtype=self.compute_dtype, device=self.device)
-        s = unit.slice_numel
-        full[self.rank * s:(self.rank + 1) * s].copy_(self._slice(unit))
-        comm.all_gather_(full, full[self.rank * s:(self.rank + 1) * s])
-        for slot in unit.params:
-            self.params[slot.index].data = full[slot.offset: slot.offset + slot.numel].view(self.shapes[slot.index])
+        full = torch.empty(self.padded[unit_id], dtype=self.compute_dtype, device=self.device)
+        mine = self._slice(unit)
+        if mine.device != full.device:  # offload_param: copy the slice up, gather in place
+            s = unit.slice_numel
+            mine = full[self.rank * s:(self.rank + 1) * s].copy_(mine)
+        self.pending[unit_id] = comm.all_gather_(full, mine, async_op=self.opts.overlap_comm)
         self.full[unit_id] = full
+        if not self.persistent[unit_id]:
+            self.live_numel += self.padded[unit_id]
+        self.stats["all_gathers"] += 1
+        if self.pending[unit_id] is None:
+            self._attach(unit_id)
+
+    def _attach(self, unit_id: int) -> None:
+        full = self.full[unit_id]
+        for slot in self.table.units[unit_id].params:
+            self.params[slot.index].data = full[slot.offset: slot.offset + slot.numel].view(self.shapes[slot.index])
+
+    def _wait(self, unit_id: int) -> None:
+        handle = self.pending[unit_id]
+        if handle is not None:
+            handle.wait()
+            self.pending[unit_id] = None
+            self._attach(unit_id)
 
     def _release(self, unit_id: int) -> None:
+        """Drop a gathered unit (waiting for its all-gather first if it is still in flight)."""
         if self.full[unit_id] is None or self.persistent[unit_id] or self.active[unit_id] > 0:
             return
+        self._wait(unit_id)
         for slot in self.table.units[unit_id].params:
             self.params[slot.index].data = _empty(self.compute_dtype, self.device)
         self.full[unit_id] = None
+        self.live_numel -= self.padded[unit_id]
+        if unit_id in self._ahead:
+            self._ahead_numel -= self._ahead.pop(unit_id)
+
+    def _release_unless_reused(self, unit_id: int) -> None:
+        """Release, unless the trace says the unit is needed again within ``max_reuse_distance`` elements (and the
+        live budget allows keeping it). A released unit with a later use is rescanned for prefetch."""
+        if self.full[unit_id] is None or self.persistent[unit_id] or self.active[unit_id] > 0:
+            return
+        nxt = self.trace.reuse(unit_id)
+        if nxt is not None:
+            index, distance = nxt
+            if distance <= self.opts.max_reuse_distance and self.live_numel <= self.opts.max_live_parameters:
+                return
+            self._scan = min(self._scan, index)
+        self._release(unit_id)
 
     def fetch(self, unit_ids) -> None:
+        """Gather ``unit_ids`` now (outside the trace: user contexts, exports): issue all, then wait all."""
         for u in unit_ids:
             if self.full[u] is None:
-                self._gather(u)
+                self._issue(u)
+        for u in unit_ids:
+            self._wait(u)
+
+    def fetch_for_hook(self, units: tuple[int, ...]) -> None:
+        """A pre-forward / pre-backward event: issue own gathers, prefetch what the trace says comes next, wait."""
+        self.trace.event(units)
+        for u in units:
+            if self.full[u] is None:
+                self._issue(u)
+            elif u in self._ahead:
+                self._ahead_numel -= self._ahead.pop(u)
+                self.stats["prefetch_hits"] += 1
+        self._prefetch()
+        for u in units:
+            self._wait(u)
+
+    def _prefetch(self) -> None:
+        """Issue all-gathers for the units of upcoming trace events, in event order, while fewer than
+        ``prefetch_bucket_size`` prefetched elements are unused and ``max_live_parameters`` is not exceeded."""
+        opts = self.opts
+        if not opts.overlap_comm or opts.prefetch_bucket_size <= 0 or self.trace.replay is None:
+            return
+        index = max(self._scan, self.trace.pos)
+        for index, units in self.trace.upcoming(index):
+            if self._ahead_numel >= opts.prefetch_bucket_size:
+                break
+            for u in units:
+                if self.full[u] is not None:
+                    continue
+                if self.live_numel + self.padded[u] > opts.max_live_parameters:
+                    self._scan = index
+                    return
+                self._issue(u)
+                self._ahead[u] = self.padded[u]
+                self._ahead_numel += self.padded[u]
+                self.stats["prefetched"] += 1
+        else:
+            index = len(self.trace.replay.events)
+        self._scan = index
+
+    def _settle(self) -> None:
+        """Wait for every in-flight all-gather and reduce-scatter."""
+        for u, handle in enumerate(self.pending):
+            if handle is not None:
+                self._wait(u)
+        self._drain_reductions()
 
     # -- hooks --------------------------------------------------------------------------------------------------
     def install_hooks(self, model: nn.Module) -> None:
+        """Pass start on the root; fetch/release on every module with non-persistent direct parameters; gradient
+        counting on every trainable parameter."""
+        self._hooks.append(model.register_forward_pre_hook(self._start_pass))
         for module in model.modules():
-            units = sorted({p._zero_index for p in module.parameters(recurse=False)
-                            if getattr(p, "_zero_mgr", None) is self})
-            units = tuple(sorted({self.table.param_unit[i] for i in units}))
+            indices = {p._zero_index for p in module.parameters(recurse=False)
+                       if getattr(p, "_zero_mgr", None) is self}
+            units = tuple(sorted({self.table.param_unit[i] for i in indices} - {
+                u for u, keep in enumerate(self.persistent) if keep}))
             if not units:
                 continue
             self._hooks.append(module.register_forward_pre_hook(self._pre_forward(units)))
@@ -176,9 +297,18 @@ class PartitionedParamManager:
             h.remove()
         self._hooks = []
 
+    def _start_pass(self, _module, _inputs) -> None:
+        """Root pre-forward: release leftovers of an unfinished pass (e.g. a forward without backward), then replay
+        (or record) the trace of this mode (grad enabled or not)."""
+        for u in range(len(self.full)):
+            if self.full[u] is not None and self.active[u] == 0:
+                self._release(u)
+        self.trace.start_pass(torch.is_grad_enabled())
+        self._scan = 0
+
     def _pre_forward(self, units):
         def hook(_module, _inputs):
-            self.fetch(units)
+            self.fetch_for_hook(units)
             for u in units:
                 self.active[u] += 1
         return hook
@@ -187,7 +317,7 @@ class PartitionedParamManager:
         def hook(_module, _inputs, output):
             for u in units:
                 self.active[u] -= 1
-                self._release(u)
+                self._release_unless_reused(u)
             if not torch.is_grad_enabled():
                 return output
             tensors = []
@@ -201,51 +331,97 @@ class PartitionedParamManager:
 
     def _grad_hook(self, index: int):
         unit_id = self.table.param_unit[index]
+        n_params = len(self.table.units[unit_id].params)
 
         def hook(_param):
             pending = self._pending[unit_id]
             pending.add(index)
-            if len(pending) == len(self.table.units[unit_id].params):
+            if len(pending) == n_params:
                 self._reduce_unit(unit_id)
         return hook
 
+    # -- gradient reduction ---------------------------------------------------------------------------------------
     def _reduce_unit(self, unit_id: int) -> None:
+        """Pack the unit's gradients (``None`` = zero) into a flat reduce-dtype buffer, free them, reduce-scatter
+        (issued asynchronously with ``overlap_comm``; the sum lands in the fp32 slice in :meth:`_finish_reduction`),
+        release the unit."""
         unit = self.table.units[unit_id]
-        grads = [self.params[s.index].grad for s in unit.params]
+        flat = torch.empty(self.padded[unit_id], dtype=self.reduce_dtype, device=self.device)
+        flat[unit.numel:].zero_()  # padding; every parameter's range is written below (no full memset)
+        for slot in unit.params:
+            p, dst = self.params[slot.index], flat[slot.offset: slot.offset + slot.numel]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+                p.grad = None
         out = self.grad_parts[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
-        reduce_unit_grads(unit, grads, self.ws, self.reduce_dtype, self.device, out)
-        for s in unit.params:
-            self.params[s.index].grad = None
+        self.stats["reduce_scatters"] += 1
+        if self.ws == 1:
+            out.add_(flat.to(device=out.device, dtype=out.dtype))
+        else:
+            piece = torch.empty(unit.slice_numel, dtype=self.reduce_dtype, device=self.device)
+            handle = comm.reduce_scatter_(piece, flat, async_op=self.opts.overlap_comm)
+            self._reductions.append((handle, flat, piece, out))
+            self._reduction_numel += flat.numel()
+            if handle is None:  # synchronous: finish it now
+                self._drain_reductions()
+            while len(self._reductions) > 1 and self._reduction_numel > self.opts.reduce_bucket_size:
+                self._finish_reduction()
         self._pending[unit_id].clear()
         self._reduced[unit_id] = True
-        self._release(unit_id)
+        self._release_unless_reused(unit_id)
+
+    def _finish_reduction(self) -> None:
+        """Wait for the oldest reduce-scatter and add its slice into the fp32 gradient partition."""
+        handle, flat, piece, out = self._reductions.popleft()
+        if handle is not None:
+            handle.wait()
+        out.add_(piece.to(device=out.device, dtype=out.dtype))
+        self._reduction_numel -= flat.numel()
+
+    def _drain_reductions(self) -> None:
+        while self._reductions:
+            self._finish_reduction()
 
     # -- engine-facing protocol ---------------------------------------------------------------------------------
     def after_backward(self) -> None:
+        """Flush units whose gradients did not all arrive (unused parameters), in unit order; end the pass; release
+        every unit not held by a user context. Reduce-scatters may still be in flight (see reduce_at_boundary)."""
         for unit_id, unit in enumerate(self.table.units):
             if unit.group < self.num_trainable_groups and not self._reduced[unit_id]:
                 self._reduce_unit(unit_id)
         self._reduced = [False] * len(self.table.units)
+        self.trace.end_pass()
         for unit_id in range(len(self.table.units)):
             self.active[unit_id] = 0
             self._release(unit_id)
 
     def reduce_at_boundary(self) -> None:
-        """Nothing to do: stage 3 reduces during backward."""
+        """Before the optimizer step: wait for the outstanding reduce-scatters (the reductions were issued during
+        backward) and add them into the fp32 gradient partitions, oldest first."""
+        self._drain_reductions()
 
     def zero_grads(self) -> None:
+        self._drain_reductions()
         for g in self.grad_parts:
             g.zero_()
 
     @torch.no_grad()
     def update_params(self) -> None:
+        """Cast masters into the param partitions; re-gather persistent units and units held by a user context
+        (issue all, then wait all)."""
+        self._settle()
         for g, master in enumerate(self.masters):
             self.part[g].copy_(master)
-        for u, keep in enumerate(self.persistent):
-            if keep:
-                self._gather(u)
-            elif self.full[u] is not None:  # gathered by a user context: refresh its contents
-                self._gather(u)
+        stale = [u for u in range(len(self.full)) if self.full[u] is not None]
+        for u in stale:
+            if not self.persistent[u]:
+                self.live_numel -= self.padded[u]
+            self.full[u] = None
+            self._issue(u)
+        for u in stale:
+            self._wait(u)
 
     def refresh_after_load(self) -> None:
         self.update_params()
