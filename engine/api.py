@@ -25,18 +25,16 @@ stage  forward/backward                           boundary                      
 
 from __future__ import annotations
 
-import json
-import os
-from pathlib import Path
-from types import SimpleNamespace
-
 import torch
 from torch import nn
 
 from engine import comm
+from engine.config import EngineConfig, load_config, model_hidden_size
 from engine.offload import resolve_placement
 from engine.optimizer import HPARAM_KEYS, ShardedOptimizer
 from engine.partition import bucket_params, build_partition
+from engine.precision import make_loss_scaler
+from engine.scheduler import build_scheduler
 from engine.zero.flat import FlatParamManager
 from engine.zero.init import materialize
 from engine.zero.stage3 import PartitionedParamManager
@@ -45,70 +43,24 @@ from engine.zero.stage3 import PartitionedParamManager
 ALIGN = 8
 
 
-# -- config adapter ---------------------------------------------------------------------------------------------
-def _fallback_config(config, world_size: int):
-    """Minimal stand-in for ``engine.config.load_config`` (used only if that module is absent)."""
-    if isinstance(config, (str, os.PathLike)):
-        config = json.loads(Path(config).read_text())
-    config = dict(config or {})
-    zero = dict(config.get("zero_optimization", {}))
-    fp16, bf16 = dict(config.get("fp16", {})), dict(config.get("bf16", {}))
-    micro = config.get("train_micro_batch_size_per_gpu", 1)
-    gas = config.get("gradient_accumulation_steps", 1)
-    opt = config.get("optimizer")
-    dtype = torch.float16 if fp16.get("enabled") else torch.bfloat16 if bf16.get("enabled") else torch.float32
-    ns = SimpleNamespace
-    return ns(
-        train_micro_batch_size_per_gpu=micro, gradient_accumulation_steps=gas,
-        train_batch_size=config.get("train_batch_size", micro * gas * world_size),
-        gradient_clipping=float(config.get("gradient_clipping", 0.0)),
-        optimizer=ns(type=opt["type"], **opt.get("params", {})) if opt else None,
-        scheduler=config.get("scheduler"),
-        fp16=ns(enabled=bool(fp16.get("enabled")), loss_scale=fp16.get("loss_scale", 0),
-                initial_scale_power=fp16.get("initial_scale_power", 16),
-                loss_scale_window=fp16.get("loss_scale_window", 1000), hysteresis=fp16.get("hysteresis", 2),
-                min_loss_scale=fp16.get("min_loss_scale", 1)),
-        bf16=ns(enabled=bool(bf16.get("enabled"))),
-        zero=ns(stage=zero.get("stage", 0), reduce_bucket_size=int(zero.get("reduce_bucket_size", 5e8)),
-                allgather_bucket_size=int(zero.get("allgather_bucket_size", 5e8)),
-                param_persistence_threshold=int(zero.get("stage3_param_persistence_threshold", 1e5)),
-                gather_16bit_weights_on_model_save=zero.get("stage3_gather_16bit_weights_on_model_save", False),
-                offload_optimizer=zero.get("offload_optimizer"), offload_param=zero.get("offload_param")),
-        steps_per_print=config.get("steps_per_print", 10), compute_dtype=dtype, to_dict=lambda: config)
+# -- config ------------------------------------------------------------------------------------------------------
+def load_engine_config(config, training_args=None, world_size: int = 1, model: nn.Module | None = None,
+                       num_training_steps: int | None = None) -> EngineConfig:
+    """The typed, resolved config: ``engine.config.load_config`` with the hidden size HF's integration would take
+    from ``model`` (for the ZeRO-3 "auto" bucket sizes) and the total step count, if the caller knows it."""
+    return load_config(config, training_args=training_args, world_size=world_size,
+                       model_hidden_size=model_hidden_size(model) if model is not None else None,
+                       num_training_steps=num_training_steps)
 
 
-def zero_option(zero_cfg, name: str, default=None):
-    """A ``zero_optimization`` field under its typed name (``param_persistence_threshold``) or DeepSpeed's JSON name
-    (``stage3_param_persistence_threshold``)."""
-    for key in (name, f"stage3_{name}"):
-        value = getattr(zero_cfg, key, None)
-        if value is not None:
-            return value
-    return default
+def _make_loss_scaler(cfg: EngineConfig):
+    return make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
 
 
-def load_engine_config(config, training_args=None, world_size: int = 1):
-    try:
-        from engine.config import load_config
-    except ImportError:
-        return _fallback_config(config, world_size)
-    return load_config(config, training_args=training_args, world_size=world_size)
-
-
-def _make_loss_scaler(cfg):
-    if not cfg.fp16.enabled:
-        return None
-    from engine.precision import make_loss_scaler
-    return make_loss_scaler(cfg.fp16)
-
-
-def _make_scheduler(cfg, optimizer, client_scheduler):
+def _make_scheduler(cfg: EngineConfig, optimizer, client_scheduler):
     if client_scheduler is not None:
         return client_scheduler(optimizer) if callable(client_scheduler) and not hasattr(
             client_scheduler, "step") else client_scheduler
-    if getattr(cfg, "scheduler", None) is None:
-        return None
-    from engine.scheduler import build_scheduler
     return build_scheduler(cfg.scheduler, optimizer)
 
 
@@ -164,10 +116,12 @@ class Engine(nn.Module):
     """A ZeRO stage 0-3 data-parallel training engine with DeepSpeed's engine API."""
 
     def __init__(self, model: nn.Module, config, *, model_parameters=None, client_optimizer=None,
-                 lr_scheduler=None, training_args=None, training_data=None, collate_fn=None):
+                 lr_scheduler=None, training_args=None, training_data=None, collate_fn=None,
+                 num_training_steps: int | None = None):
         super().__init__()
         self.ctx = comm.init_distributed()
-        self.config = load_engine_config(config, training_args=training_args, world_size=self.ctx.world_size)
+        self.config = load_engine_config(config, training_args=training_args, world_size=self.ctx.world_size,
+                                         model=model, num_training_steps=num_training_steps)
         self.module = model
         self.stage = int(self.config.zero.stage)
         self.compute_dtype = self.config.compute_dtype
@@ -221,7 +175,7 @@ class Engine(nn.Module):
                 managed, self.table, num_trainable_groups=len(groups), device=self.device,
                 param_device=self.placement.param_device, compute_dtype=self.compute_dtype,
                 reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
-                persistence_threshold=int(zero_option(self.config.zero, "param_persistence_threshold", 0)))
+                persistence_threshold=self.config.zero.param_persistence_threshold)
             self.mgr.install_hooks(model)
             self.managed = managed
         self.param_names = [canonical[id(p)] for p in self.trainable]
@@ -229,7 +183,7 @@ class Engine(nn.Module):
 
     def _reduce_dtype(self) -> torch.dtype:
         """``communication_data_type`` if set; else the compute dtype on NCCL, fp32 on gloo (CPU)."""
-        name = getattr(self.config, "communication_data_type", None)
+        name = self.config.communication_data_type
         if name:
             return {"fp32": torch.float32, "fp16": torch.float16, "bf16": torch.bfloat16}[name]
         return self.compute_dtype if self.ctx.backend == "nccl" else torch.float32
@@ -384,8 +338,14 @@ def client_optimizer_cfg(client_optimizer, config_optimizer):
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
                training_data=None, lr_scheduler=None, mpu=None, dist_init_required=None, collate_fn=None,
-               config=None, config_params=None, training_args=None):
-    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``."""
+               config=None, config_params=None, training_args=None, num_training_steps: int | None = None):
+    """DeepSpeed's ``initialize``: returns ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    Beyond DeepSpeed's keywords: ``training_args`` (transformers.TrainingArguments, a dataclass, namespace or dict
+    with its field names) fills the config's "auto" values as HF Trainer does; ``num_training_steps`` is the total
+    optimizer step count, needed for step-count "auto" values (warmup ratios, ``total_num_steps``) when
+    ``training_args.max_steps <= 0``. The hidden-size "auto" values (ZeRO-3 bucket sizes) come from ``model.config``.
+    """
     if model is None:
         raise ValueError("initialize() needs model=")
     if config is None:
@@ -394,5 +354,5 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
         raise ValueError("initialize() needs config= (a dict or a path to a DeepSpeed-style JSON config)")
     engine = Engine(model, config, model_parameters=model_parameters, client_optimizer=optimizer,
                     lr_scheduler=lr_scheduler, training_args=training_args, training_data=training_data,
-                    collate_fn=collate_fn)
+                    collate_fn=collate_fn, num_training_steps=num_training_steps)
     return engine, engine.optimizer, engine.training_dataloader, engine.lr_scheduler

@@ -211,7 +211,7 @@ def _state_extras(engine) -> dict:
     """Scheduler / loss-scaler state and the resolved config, as JSON (checked before any byte is written)."""
     scaler = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
     sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    config = engine.config.to_dict() if hasattr(engine.config, "to_dict") else None
+    config = engine.config.to_dict()
     return {"scheduler": _jsonable(sched, "lr_scheduler.state_dict()"),
             "loss_scaler": _jsonable(scaler, "loss scaler state_dict()"),
             "config": _jsonable(config, "config.to_dict()")}
@@ -390,9 +390,7 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors",
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    from engine.api import zero_option
-
-    if engine.stage == 3 and not zero_option(engine.config.zero, "gather_16bit_weights_on_model_save", False):
+    if engine.stage == 3 and not engine.config.zero.gather_16bit_weights_on_model_save:
         return False
     save_dir = Path(save_dir)
     entries = _export_entries(engine)

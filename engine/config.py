@@ -592,6 +592,10 @@ def _resolve_scheduler(r: _Resolver) -> None:
 
 def _total_steps(r: _Resolver) -> int:
     if r.total_steps is not None:
+        max_steps = r.arg("max_steps", none_ok=True) if r.has_arg("max_steps") else None
+        if isinstance(max_steps, int) and max_steps > 0 and max_steps != r.total_steps:  # HF passes max_steps
+            raise ConfigError(f"num_training_steps={r.total_steps} contradicts training_args.max_steps={max_steps}; "
+                              "pass one of them, or make them equal")
         return r.total_steps
     max_steps = r.arg("max_steps", none_ok=True) if r.args is not None else None
     if isinstance(max_steps, int) and max_steps > 0:

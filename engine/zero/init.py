@@ -9,8 +9,21 @@ values), and each rank keeps only its slice (:class:`InitUnit`); ``param.data`` 
 finish their ``__init__`` before their parent, so at most one module's parameters are ever materialised in full.
 ``engine.initialize`` with stage 3 later re-lays these slices out into its own units, one unit at a time.
 
-Caveat: code that re-initialises weights *after* construction (e.g. transformers' ``post_init``) sees empty tensors;
-wrap such code in ``GatheredParameters(params, modifier_rank=0)``, or load weights afterwards.
+transformers models: a ``PreTrainedModel``'s ``post_init`` re-initialises weights after its children were partitioned
+(``initialize_weights`` -> ``smart_apply`` -> ``_initialize_weights(module)`` -> ``_init_weights(module)``, children
+first). While the context is active every ``PreTrainedModel`` class defining ``_initialize_weights`` is wrapped (the
+class is recognised by its MRO, so transformers is never imported here and classes created inside the context are
+caught too): each call for a module not yet ``_is_hf_initialized`` gathers that module's direct parameters and its
+direct non-``PreTrainedModel`` children's (``_init_weights(attn)`` may write ``attn.q_proj.weight``; the same set as
+transformers' own ``initialize_weights_zero3``), runs the original on every rank with the values on the device the
+module built them on (CPU, also next to a GPU: :func:`on_build_device`), then broadcasts rank 0's values and
+re-partitions them (``modifier_rank=0``). Peak memory: one module and its direct children, never the whole model.
+Every rank runs the same init calls on the same shapes and devices, so the RNGs advance exactly as without ``Init``:
+with equal seeds the partitions hold bit-for-bit the values of a model built without ``Init``. An
+``_init_weights`` that writes parameters deeper than the direct children (a few detection models) writes into
+empty tensors there, as in transformers' own ZeRO-3 path; gather those yourself. Other code that re-initialises
+weights *after* construction sees empty tensors too: wrap it in ``GatheredParameters(params, modifier_rank=0)``, or
+load weights afterwards.
 
 ``GatheredParameters(params, modifier_rank=None)``: all-gathers the units holding ``params`` (one all-gather per
 unit); on exit, when ``modifier_rank`` is given, that rank's values are broadcast and re-partitioned (also into the
@@ -22,6 +35,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+from typing import Callable
 
 import torch
 from torch import nn
@@ -38,6 +52,7 @@ class InitUnit:
     def __init__(self, params: list[nn.Parameter], device: torch.device, store_device: torch.device):
         self.params = params
         self.shapes = [tuple(p.shape) for p in params]
+        self.built_on = [p.device for p in params]  # where the module made them (CPU unless built under a device)
         self.dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
         self.ws, self.rank, self.device = comm.world_size(), comm.rank(), device
         table = build_partition([p.numel() for p in params], [0] * len(params), [list(range(len(params)))], self.ws)
@@ -90,6 +105,24 @@ class InitUnit:
                 self.full = None
 
 
+@contextlib.contextmanager
+def on_build_device(params):
+    """While ``params`` are gathered: hold the ``zero.Init`` ones on the device their module built them on, so code
+    run now (HF's init) computes -- and draws random numbers -- where a plain build would; moved back after, for the
+    enclosing ``GatheredParameters(modifier_rank=...)`` to write into the unit. Others are left alone."""
+    moved = []
+    for p in params:
+        store = p.__dict__.get("_zero_init_store")
+        if store is not None and store.full is not None and p.device != store.built_on[p._zero_init_slot]:
+            moved.append((p, p.device))
+            p.data = p.data.to(store.built_on[p._zero_init_slot])
+    try:
+        yield
+    finally:
+        for p, device in moved:
+            p.data = p.data.to(device)
+
+
 def full_data_of(param: nn.Parameter, cache: dict) -> tuple[torch.Tensor, bool]:
     """The full value of ``param``: its ``.data``, or, for a ``zero.Init`` parameter, its view in the (cached)
     all-gathered :class:`InitUnit` buffer. Cache entries are dropped once all their parameters were read."""
@@ -133,6 +166,36 @@ def _all_subclasses(cls):
     return out
 
 
+def _is_hf_pretrained_model(cls: type) -> bool:
+    """``cls`` is transformers' ``PreTrainedModel`` or a subclass, judged by name so transformers is not imported."""
+    return any(c.__module__ == "transformers.modeling_utils" and c.__qualname__ == "PreTrainedModel"
+               for c in cls.__mro__)
+
+
+def _hf_init_weights_params(module: nn.Module) -> list[nn.Parameter]:
+    """What ``_init_weights(module)`` may write: ``module``'s direct parameters and those of its direct children that
+    are not models of their own (``smart_apply`` hands those their own init), each once (tied ones included)."""
+    params = list(module.parameters(recurse=False))
+    for child in module.children():
+        if not _is_hf_pretrained_model(type(child)):
+            params.extend(child.parameters(recurse=False))
+    return list({id(p): p for p in params}.values())
+
+
+def _gathered_hf_initialize_weights(orig: Callable) -> Callable:
+    """Wrap ``PreTrainedModel._initialize_weights(self, module, ...)`` to run on gathered full parameters."""
+
+    @functools.wraps(orig)
+    def wrapper(model, module, *args, **kwargs):
+        if getattr(module, "_is_hf_initialized", False):  # already done (an outer model's post_init walks it again)
+            return orig(model, module, *args, **kwargs)
+        params = _hf_init_weights_params(module)
+        with GatheredParameters(params, modifier_rank=0), on_build_device(params):
+            return orig(model, module, *args, **kwargs)
+    wrapper._zero_wrapped = True
+    return wrapper
+
+
 class Init:
     """Context manager: construct a model with its parameters partitioned across ranks (ZeRO-3).
 
@@ -171,8 +234,8 @@ class Init:
         if not self.enabled:
             return False
         _ACTIVE.remove(self)
-        for cls, orig in self._saved:
-            cls.__init__ = orig
+        for cls, name, orig in reversed(self._saved):
+            setattr(cls, name, orig)
         self._saved = []
         had, orig = self._saved_init_subclass
         if had:
@@ -182,6 +245,13 @@ class Init:
         return False
 
     def _patch(self, cls) -> None:
+        self._patch_init(cls)
+        orig = cls.__dict__.get("_initialize_weights")
+        if orig is not None and not getattr(orig, "_zero_wrapped", False) and _is_hf_pretrained_model(cls):
+            cls._initialize_weights = _gathered_hf_initialize_weights(orig)
+            self._saved.append((cls, "_initialize_weights", orig))
+
+    def _patch_init(self, cls) -> None:
         orig = cls.__dict__.get("__init__")
         if orig is None or getattr(orig, "_zero_wrapped", False):
             return
@@ -201,7 +271,7 @@ class Init:
                     init._partition_module(module)
         wrapper._zero_wrapped = True
         cls.__init__ = wrapper
-        self._saved.append((cls, orig))
+        self._saved.append((cls, "__init__", orig))
 
     def _partition_module(self, module: nn.Module) -> None:
         params = [p for p in module._parameters.values()

@@ -115,6 +115,8 @@ def built(tmp_path_factory):
 
 
 def reference(name: str):
+    """The plain build (no ``Init``, one process) and the next draw of the global RNG after it."""
+    pytest.importorskip("transformers")
     torch.manual_seed(0)
     model = BUILDERS[name]()
     return model, torch.rand(4).tolist()
@@ -134,7 +136,7 @@ def test_init_weights_are_bit_identical_to_a_plain_build(built, name):
         assert reports[rank][f"{name}.rng_after"] == rng_after  # same RNG consumption, on every rank
 
 
-def test_reference_is_hf_init_not_torch_default(built):
+def test_reference_is_hf_init_not_torch_default():
     """Guards the comparison above: the plain build really carries HF's init (else both could be PyTorch's)."""
     model, _ = reference("llama")
     std = model.config.initializer_range

@@ -47,16 +47,33 @@ def config(stage: int, dtype: str, micro: int) -> dict:
     return cfg
 
 
+def same_as_plain_build(model, mcfg) -> bool:
+    """Gathered, ``model`` (built under zero.Init with seed 0) equals a plain CPU build with seed 0, bit for bit; the
+    global RNG is left where the plain build leaves it."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    plain = dict(LlamaForCausalLM(mcfg).named_parameters())
+    with engine.zero.GatheredParameters(list(model.parameters())):
+        return all(torch.equal(p.detach().cpu(), plain[n]) for n, p in model.named_parameters())
+
+
 def run_stage(stage: int, args, ckpt_root: Path) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rank, world = dist.get_rank(), dist.get_world_size()
-    torch.manual_seed(0)
     mcfg = LlamaConfig(tie_word_embeddings=True, **SIZES[args.size])
     cfg = config(stage, args.dtype, args.micro)
+    zero_init = stage == 3 and args.zero_init
+    torch.manual_seed(0)
     # Stage 3 builds under zero.Init (HF's post_init still runs on gathered weights: same init as a plain build).
-    with engine.zero.Init(config_dict_or_path=cfg, enabled=stage == 3 and args.zero_init):
+    with engine.zero.Init(config_dict_or_path=cfg, enabled=zero_init):
         model = LlamaForCausalLM(mcfg)
+    if zero_init:
+        if not same_as_plain_build(model, mcfg):
+            raise SystemExit("stage 3: the model built under zero.Init differs from a plain build with the same seed")
+        if rank == 0:
+            print("stage 3: model built under zero.Init == plain build with the same seed, bit for bit", flush=True)
     eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     device = eng.device
     torch.cuda.reset_peak_memory_stats(device)
