@@ -37,6 +37,7 @@ from engine.precision import make_loss_scaler
 from engine.scheduler import build_scheduler
 from engine.zero.flat import FlatParamManager
 from engine.zero.init import materialize
+from engine.zero.prefetch import Stage3Options
 from engine.zero.stage3 import PartitionedParamManager
 
 #: Slices are padded to a multiple of this many elements (32 bytes in fp32): aligned collectives on GPUs.
@@ -175,7 +176,8 @@ class Engine(nn.Module):
                 managed, self.table, num_trainable_groups=len(groups), device=self.device,
                 param_device=self.placement.param_device, compute_dtype=self.compute_dtype,
                 reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
-                persistence_threshold=self.config.zero.param_persistence_threshold)
+                persistence_threshold=self.config.zero.param_persistence_threshold,
+                options=Stage3Options.from_zero_config(self.config.zero))
             self.mgr.install_hooks(model)
             self.managed = managed
         self.param_names = [canonical[id(p)] for p in self.trainable]
