@@ -54,7 +54,20 @@ def has_inf_or_nan(tensor: torch.Tensor) -> bool:
     return not bool(torch.isfinite(tensor.amax()) & torch.isfinite(tensor.amin()))
 
 
-class StaticLossScaler:
+class _ScalerBase:
+    """What both scalers share: the current scale (``cur_scale``, DeepSpeed's name) and applying it."""
+
+    cur_scale: float
+
+    @property
+    def loss_scale(self) -> float:
+        return self.cur_scale
+
+    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
+        return loss * self.loss_scale
+
+
+class StaticLossScaler(_ScalerBase):
     """A fixed loss scale (DeepSpeed's ``LossScaler``); also the 1.0 no-op scaler of fp32/bf16 training."""
 
     dynamic = False
@@ -63,13 +76,6 @@ class StaticLossScaler:
         if not scale > 0:
             raise ValueError(f"static loss scale must be > 0, got {scale!r}")
         self.cur_scale = float(scale)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale
 
     def update_scale(self, overflow: bool) -> None:
         """The scale never changes; an overflow step is only reported (the engine skips it)."""
@@ -84,7 +90,7 @@ class StaticLossScaler:
         self.cur_scale = float(state["cur_scale"])
 
 
-class DynamicLossScaler:
+class DynamicLossScaler(_ScalerBase):
     """DeepSpeed's ``DynamicLossScaler``; see the module docstring for the rule.
 
     Arguments map to the fp16 config: ``init_scale=2**initial_scale_power``, ``scale_window=loss_scale_window``,
@@ -117,13 +123,6 @@ class DynamicLossScaler:
         self.min_scale = float(min_scale)
         self.scale_factor = float(scale_factor)
         self.raise_error_at_min_scale = bool(raise_error_at_min_scale)
-
-    @property
-    def loss_scale(self) -> float:
-        return self.cur_scale
-
-    def scale_loss(self, loss: torch.Tensor) -> torch.Tensor:
-        return loss * self.loss_scale
 
     def update_scale(self, overflow: bool) -> None:
         """Account for one optimizer step; ``overflow``: its gradients held inf/NaN (and it was skipped)."""
