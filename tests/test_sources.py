@@ -76,3 +76,12 @@ def test_all_source_kinds_give_the_same_weights(tmp_path):
     for state in states[1:]:
         assert state.keys() == states[0].keys()
         assert all(torch.equal(state[k], states[0][k]) for k in state)
+
+
+def test_tag_may_name_a_checkpoint_folder_of_an_hf_output_dir(tmp_path):
+    run = tmp_path / "run"
+    shutil.copytree(HF_RUN, run)
+    shutil.copytree(run / "checkpoint-3", run / "checkpoint-7")
+    assert locate(run).tag_dir == run / "checkpoint-7" / "global_step3"
+    loc = locate(run, "checkpoint-3")
+    assert loc.tag_dir == run / "checkpoint-3" / "global_step3" and loc.model_dir == run / "checkpoint-3"

@@ -108,6 +108,9 @@ def locate(src: str | Path, tag: str | None = None) -> Located:
         if tag is not None and tag != src.name:
             raise InvalidArgumentError(f"{src} is already a tag folder; drop --tag {tag!r} or pass its parent")
         return Located(src, src, src.name, "tag-dir", _model_dir(src.parent, src))
+    if tag is not None and _CHECKPOINT_RE.match(tag) and (src / tag).is_dir():  # --tag checkpoint-500 on a run dir
+        found = _locate_in_save_dir(src / tag, None, "hf-output-dir")
+        return Located(src, found.tag_dir, found.tag, "hf-output-dir", found.model_dir)
     if (src / "latest").is_file() or tag is not None or any(is_tag_dir(p) for p in src.iterdir()):
         return _locate_in_save_dir(src, tag, "hf-checkpoint" if _model_dir(src) else "save-dir")
     checkpoints = _checkpoint_folders(src)
