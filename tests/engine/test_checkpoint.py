@@ -67,6 +67,7 @@ def roundtrip_worker(rank: int, world_size: int, out: Path) -> None:
                 errors["stage"] = str(exc)
         if rank == 0:
             save_file({k: v.contiguous() for k, v in saved.items()}, str(d / "saved.safetensors"))
+            save_file({k: v.contiguous() for k, v in final.items()}, str(d / "final.safetensors"))
         (d / f"result.rank{rank}.json").write_text(json.dumps({
             "path": path, "client": client, "same_after_load": same_after_load, "same_final": same_final,
             "cont": cont, "resumed": resumed, "global_steps": eng2.global_steps, "lr": [lr_saved, lr_loaded],
@@ -177,8 +178,11 @@ def test_save_16bit_model(run, stage):
     assert len(set(index["weight_map"].values())) > 1
     for k, v in single.items():
         assert torch.equal(v, shards[k])
-    # fp32 training: the "16-bit" export is the final weights; the saved fp32 masters are 2 steps older
+    # fp32 training: the "16-bit" export holds the final weights exactly; the saved fp32 masters are 2 steps older
     assert set(single) == set(saved)
+    final = load_file(str(d / "final.safetensors"))
+    for k, v in single.items():
+        assert torch.equal(v, final[k].to(v.dtype)), k
 
 
 def _copy_tag(run, tmp_path, stage=2) -> Path:
