@@ -42,6 +42,7 @@ def main() -> None:
     parser.add_argument("--out", type=Path, required=True)
     parser.add_argument("--steps", type=int, default=40)
     parser.add_argument("--stage", type=int, default=3)
+    parser.add_argument("--local_rank", "--local-rank", type=int, help=argparse.SUPPRESS)  # deepspeed launcher
     args = parser.parse_args()
 
     import torch
@@ -72,7 +73,7 @@ def main() -> None:
     data = torch.Generator().manual_seed(1234)
     losses = []
     for step in range(1, args.steps + 1):
-        batch = synthetic_batch(data, 8 * world)[rank * 8:(rank + 1) * 8]
+        batch = synthetic_batch(data, 8 * world)[rank * 8:(rank + 1) * 8].to(model_engine.device)
         loss = model_engine(input_ids=batch, labels=batch).loss
         model_engine.backward(loss)
         model_engine.step()
