@@ -8,6 +8,7 @@ group so the test suite pays the start-up cost once per world size.
 
 from __future__ import annotations
 
+import faulthandler
 import json
 import os
 import socket
@@ -140,6 +141,7 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str):
     os.environ.update(RANK=str(rank), WORLD_SIZE=str(world_size), LOCAL_RANK=str(rank), LOCAL_WORLD_SIZE=str(
         world_size), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    faulthandler.enable(all_threads=True)  # a C++ abort (SIGABRT) still shows where each thread was
     try:
         fn(rank, world_size, Path(out_dir), *args)
     except BaseException:
@@ -152,19 +154,41 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str):
 
 
 def launch(fn, world_size: int, out_dir: Path, *args, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` spawned processes; re-raise a worker error."""
-    import torch.multiprocessing as mp
+    """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` spawned processes; re-raise a worker error.
+
+    A worker that dies from a signal without a Python error (seen once in CI: ``terminate called without an active
+    exception`` from a C++ thread in rank 1 of a 2-process gloo group, not reproduced in 70 local runs) gets one
+    retry from a clean ``out_dir``, with a warning; a Python error in a worker, or a second abort, fails the test.
+    """
+    import shutil
+    import sys
 
     out_dir.mkdir(parents=True, exist_ok=True)
+    before = set(out_dir.iterdir())
+    for attempt in (1, 2):
+        exc = _launch_once(fn, world_size, out_dir, args, timeout)
+        if exc is None:
+            return
+        errors = sorted(out_dir.glob("error.rank*.txt"))
+        detail = "\n".join(e.read_text() for e in errors)
+        if errors or attempt == 2 or "signal" not in str(exc):
+            raise AssertionError(f"worker failed:\n{detail or exc}")
+        print(f"warning: {exc}; retrying {fn.__name__} once", file=sys.stderr)
+        for path in set(out_dir.iterdir()) - before:
+            shutil.rmtree(path) if path.is_dir() else path.unlink()
+
+
+def _launch_once(fn, world_size: int, out_dir: Path, args: tuple, timeout: float) -> Exception | None:
+    import torch.multiprocessing as mp
+
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, str(out_dir)), nprocs=world_size,
                              join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=timeout):
             pass
-    except Exception as exc:
-        errors = sorted(out_dir.glob("error.rank*.txt"))
-        detail = "\n".join(e.read_text() for e in errors)
-        raise AssertionError(f"worker failed:\n{detail or exc}") from None
+    except Exception as exc:  # ProcessRaisedException / ProcessExitedException
+        return exc
+    return None
 
 
 def write_json(path: Path, obj) -> None:
