@@ -13,8 +13,8 @@ Phases of one optimizer step, by stage (collectives are per unit = flat bucket, 
 =====  =========================================  ==================================  =========================
 stage  forward/backward                           boundary                            after the Adam step
 =====  =========================================  ==================================  =========================
-0      full params; grads into flat buffers       all-reduce per unit                 (every rank updated all)
-1      full params; grads into flat buffers       reduce-scatter per unit             all-gather per unit
+0      full params; autograd .grad tensors        pack + all-reduce per unit          (every rank updated all)
+1      full params; autograd .grad tensors        pack + reduce-scatter per unit      all-gather per unit
 2      full params; reduce-scatter per unit as    (done)                              all-gather per unit
        its grads complete, full grads freed
 3      all-gather per module before forward and   (done)                              cast master -> partition
@@ -134,8 +134,7 @@ class Engine(nn.Module):
         self._setup_buffers()
         self.loss_scaler = _make_loss_scaler(self.config)
         self.optimizer = ShardedOptimizer(
-            self.mgr.masters, self.mgr.grad_parts, self.group_hparams, client_optimizer_cfg(
-                client_optimizer, self.config.optimizer),
+            self.mgr.masters, self.group_hparams, client_optimizer_cfg(client_optimizer, self.config.optimizer),
             sharded=self.stage > 0, dp_world_size=self.ctx.world_size, comm_device=self.device,
             loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path)
         self.lr_scheduler = _make_scheduler(self.config, self.optimizer, lr_scheduler)
@@ -218,7 +217,10 @@ class Engine(nn.Module):
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.loss_scale
         scaled.backward(retain_graph=retain_graph)
-        self.mgr.after_backward()
+        if self.stage < 3:  # stages 0-2 widen their 16-bit gradient store to fp32 when more micro-steps follow
+            self.mgr.after_backward(boundary=self.is_gradient_accumulation_boundary())
+        else:
+            self.mgr.after_backward()
         return loss
 
     @torch.no_grad()
@@ -227,7 +229,9 @@ class Engine(nn.Module):
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
             self.mgr.reduce_at_boundary()
-            overflow = self.optimizer.step(float(self.config.gradient_clipping or 0.0))
+            grads = self._grad_partitions()
+            overflow = self.optimizer.step(grads, float(self.config.gradient_clipping or 0.0))
+            del grads  # stages 0-2: the fp32 gradient partitions die with the manager's store in zero_grads()
             if not overflow:
                 self.mgr.update_params()
                 if self.lr_scheduler is not None:
@@ -237,6 +241,11 @@ class Engine(nn.Module):
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1
+
+    def _grad_partitions(self) -> list[torch.Tensor]:
+        """The step's flat fp32 gradient partitions: made at step time by stages 0-2 (their reduced gradients are
+        kept in the reduce dtype until now), the persistent fp32 partitions of stage 3."""
+        return self.mgr.grad_partitions() if self.stage < 3 else self.mgr.grad_parts
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

@@ -1,9 +1,11 @@
 """Where optimizer state and stage-3 parameter partitions live: device, CPU, or (optimizer state) NVMe files.
 
-* ``offload_optimizer.device = cpu``: fp32 master partition, fp32 gradient partition and Adam moments are allocated on
-  CPU (pinned when CUDA is present, so host<->device copies can be asynchronous). Gradients are reduced on the
-  compute device and copied to CPU; the Adam step runs on CPU (torch foreach kernels); updated masters are copied
-  back and cast into the compute-dtype parameters. On a CPU-only machine this is the default placement anyway.
+* ``offload_optimizer.device = cpu``: fp32 master partition, gradient partition and Adam moments are allocated on
+  CPU. Gradients are reduced on the compute device and each unit's piece copied to CPU (stages 0-2 keep it there in
+  the reduce dtype until the step, then make the fp32 gradient partition for the step only, see
+  :mod:`engine.zero.flat`; stage 3 adds into a persistent fp32 partition); the Adam step runs on CPU (torch foreach
+  kernels); updated masters are copied back and cast into the compute-dtype parameters. On a CPU-only machine this
+  is the default placement anyway.
 * ``offload_optimizer.device = nvme``: as CPU, and additionally the Adam moments are written to raw files under
   ``nvme_path`` after every step and read back before the next one (:class:`NvmeStateSwapper`). Simple and correct,
   **not optimised** (synchronous, no double buffering, no O_DIRECT).
@@ -38,7 +40,7 @@ def _nvme_path(sub) -> str | None:
 class Placement:
     """Resolved placement of the engine's state."""
 
-    master_device: torch.device  # fp32 masters, fp32 grad partitions, Adam moments
+    master_device: torch.device  # fp32 masters, gradient partitions, Adam moments
     param_device: torch.device  # stage-3 compute-dtype parameter partitions
     nvme_path: str | None  # set when Adam moments are swapped to files
     pin_memory: bool

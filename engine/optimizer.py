@@ -1,9 +1,11 @@
 """The sharded optimizer step: Adam/AdamW on flat fp32 partitions (stages 0-3).
 
-Each optimizer group ``g`` owns one flat fp32 **master** tensor (this rank's partition; the whole model for stage 0)
-whose ``.grad`` is the flat fp32 **gradient partition** the ZeRO managers reduce into. The update is one
-``torch.optim.AdamW`` / ``Adam`` over those few flat tensors (``foreach`` on CPU, ``fused`` on CUDA): no Python loop
-over parameters, and padding elements stay exactly zero (zero grad, zero weight).
+Each optimizer group ``g`` owns one flat fp32 **master** tensor (this rank's partition; the whole model for stage 0).
+:meth:`ShardedOptimizer.step` receives the step's flat fp32 **gradient partitions** (one per group, from the ZeRO
+manager: transient for stages 0-2, see :mod:`engine.zero.flat`), sets them as the masters' ``.grad`` only for the
+duration of the inner step and drops them after, so the optimizer never keeps a gradient alive between steps. The
+update is one ``torch.optim.AdamW`` / ``Adam`` over those few flat tensors (``foreach`` on CPU, ``fused`` on CUDA):
+no Python loop over parameters, and padding elements stay exactly zero (zero grad, zero weight).
 
 Communication phases of :meth:`ShardedOptimizer.step` (at most two tiny all-reduces):
 
@@ -62,16 +64,14 @@ def resolve_adam(opt_cfg) -> tuple[type, dict]:
 class ShardedOptimizer:
     """Adam(W) over flat fp32 partitions; exposes ``param_groups`` so schedulers and user code can read/set lr."""
 
-    def __init__(self, masters: list[torch.Tensor], grad_parts: list[torch.Tensor], group_hparams: list[dict],
-                 opt_cfg, *, sharded: bool, dp_world_size: int, comm_device: torch.device, loss_scaler=None,
-                 nvme_path: str | None = None):
+    def __init__(self, masters: list[torch.Tensor], group_hparams: list[dict], opt_cfg, *, sharded: bool,
+                 dp_world_size: int, comm_device: torch.device, loss_scaler=None, nvme_path: str | None = None):
         cls, defaults = resolve_adam(opt_cfg)
-        self.masters, self.grad_parts = masters, grad_parts
+        self.masters = masters
         self.sharded, self.dp_world_size, self.comm_device = sharded, dp_world_size, comm_device
         self.loss_scaler = loss_scaler
-        for m, g in zip(masters, grad_parts):
+        for m in masters:
             m.requires_grad_(True)
-            m.grad = g
         groups = []
         for m, hp in zip(masters, group_hparams):
             group = {"params": [m]}
@@ -86,23 +86,26 @@ class ShardedOptimizer:
         self.skipped_steps = 0
 
     # -- the step -----------------------------------------------------------------------------------------------
-    def _overflow(self) -> bool:
-        local = any(has_inf_or_nan(g) for g in self.grad_parts)
+    def _overflow(self, grads: list[torch.Tensor]) -> bool:
+        local = any(has_inf_or_nan(g) for g in grads)
         return comm.any_true(local, self.comm_device)
 
-    def _global_norm(self, inv: float) -> float:
+    def _global_norm(self, grads: list[torch.Tensor], inv: float) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.comm_device)
-        for g in self.grad_parts:
+        for g in grads:
             sq += torch.linalg.vector_norm(g).to(self.comm_device) ** 2
         if self.sharded:
             comm.all_reduce_(sq)
         return math.sqrt(float(sq)) * inv
 
-    def step(self, clip: float = 0.0) -> bool:
-        """Average, unscale, clip and apply one Adam step. Returns True when the step was skipped (fp16 overflow)."""
+    def step(self, grads: list[torch.Tensor], clip: float = 0.0) -> bool:
+        """Average, unscale, clip and apply one Adam step. Returns True when the step was skipped (fp16 overflow).
+
+        ``grads``: the step's flat fp32 gradient partitions, one per group (same layout as the masters); they are
+        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs."""
         scale = float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
         if self.loss_scaler is not None:
-            overflow = self._overflow()
+            overflow = self._overflow(grads)
             self.loss_scaler.update_scale(overflow)
             if overflow:
                 self.skipped_steps += 1
@@ -110,13 +113,19 @@ class ShardedOptimizer:
         inv = 1.0 / (self.dp_world_size * scale)
         coef = inv
         if clip and clip > 0:
-            self.last_grad_norm = self._global_norm(inv)
+            self.last_grad_norm = self._global_norm(grads, inv)
             coef = inv * min(1.0, clip / (self.last_grad_norm + 1e-6))
         if coef != 1.0:
-            torch._foreach_mul_(self.grad_parts, coef)
+            torch._foreach_mul_(grads, coef)
         if self.swapper is not None:
             self.swapper.swap_in(self.inner)
-        self.inner.step()
+        for m, g in zip(self.masters, grads):
+            m.grad = g
+        try:
+            self.inner.step()
+        finally:
+            for m in self.masters:
+                m.grad = None
         if self.swapper is not None:
             self.swapper.swap_out(self.inner)
         return False

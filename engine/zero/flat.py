@@ -8,15 +8,35 @@ Communication phases per optimizer step
 ---------------------------------------
 1. init: one broadcast per unit from rank 0 (all ranks start from rank 0's weights).
 2. backward, gradient reduction, one collective per unit:
-   * stage 0 (DDP): ``param.grad`` are views into a flat gradient buffer per unit; at the accumulation boundary each
-     buffer is all-reduced and added to the (unsharded) fp32 gradient.
-   * stage 1: same buffers; at the boundary each is reduce-scattered; the rank keeps only its slice.
+   * stage 0 (DDP): ``param.grad`` are plain autograd tensors (micro-steps accumulate into them in place); at the
+     accumulation boundary each unit is packed straight into the gradient store and all-reduced in place there.
+   * stage 1: same gradients; at the boundary each unit is packed, reduce-scattered into the rank's slice of the
+     store, and its ``param.grad`` freed.
    * stage 2: a post-accumulate-grad hook counts each unit's gradients; once all arrived (during backward) they are
-     packed, reduce-scattered, added to the rank's fp32 gradient slice and the full gradients are freed. Units not
+     packed (each ``param.grad`` freed as soon as it is copied), reduce-scattered into the store. Units not
      completed by the end of backward (unused parameters) are flushed in unit order by :meth:`after_backward`.
 3. after the optimizer step: the rank's updated fp32 slice is cast into its slice of ``full[u]`` and all-gathered
    (one all-gather per unit; none for stage 0, whose "partition" is the whole model).
 Gradient sums are divided by the data-parallel world size later, once, by the optimizer.
+
+Gradient memory (nothing gradient-sized outlives a step)
+--------------------------------------------------------
+``P`` = elements of the rank's partition (the whole padded model for stage 0), ``B`` = a unit's padded numel.
+
+* pack buffer: ``B`` elements of the reduce dtype, alive only around one unit's collective (stage 0 with a 16-bit
+  store packs into the store itself: no pack buffer).
+* :class:`GradStore`, one per optimizer group, created at the window's first reduction and dropped after the step:
+  - ``low``: when the reduce dtype is 16-bit, a 16-bit partition (2P bytes); the collective writes each unit's
+    slice directly, once. :meth:`FlatParamManager.grad_partitions` turns it into fp32 at step time.
+  - ``acc``: an fp32 accumulator (4P bytes, zero-initialised; pieces are added). Used when the reduce dtype is fp32,
+    and when a unit's slice is reduced a second time in one window: stage 2 with gradient accumulation widens
+    ``low`` into ``acc`` at the end of every non-boundary backward (no activations are alive then), so micro-steps
+    still accumulate in fp32.
+
+Exactness: every fp32 gradient element handed to the optimizer is ``((0 + p1) + p2) + ...`` in fp32, ``p_k`` being
+the collective's output in the reduce dtype -- the same operations, in the same order, as a persistent fp32
+gradient partition that is zeroed after each step and has every piece added into it. ``low`` holds ``p1`` exactly
+(same dtype) and is converted as ``zeros(fp32).add_(low)`` (``0 + p1``, which also turns ``-0`` into ``+0``).
 """
 
 from __future__ import annotations
@@ -27,22 +47,58 @@ from engine import comm
 from engine.partition import PartitionTable, Unit
 
 
-def reduce_unit_grads(unit: Unit, grads: list, world_size: int, reduce_dtype: torch.dtype, device: torch.device,
-                      out: torch.Tensor) -> None:
-    """Pack one unit's gradients (``None`` = zero), reduce-scatter across ranks, add this rank's slice into ``out``.
+class GradStore:
+    """One optimizer group's reduced gradient partition for the current accumulation window (see module doc)."""
 
-    ``out`` is the rank's fp32 gradient slice for the unit (``unit.slice_numel`` elements, any device).
-    """
-    flat = torch.zeros(unit.padded_numel(world_size), dtype=reduce_dtype, device=device)
-    for slot, grad in zip(unit.params, grads):
-        if grad is not None:
-            flat[slot.offset: slot.offset + slot.numel].copy_(grad.reshape(-1))
-    if world_size == 1:
-        piece = flat
-    else:
-        piece = torch.empty(unit.slice_numel, dtype=reduce_dtype, device=device)
-        comm.reduce_scatter_(piece, flat)
-    out.add_(piece.to(device=out.device, dtype=out.dtype))
+    def __init__(self, numel: int, device: torch.device, reduce_dtype: torch.dtype):
+        self.numel, self.device, self.reduce_dtype = numel, device, reduce_dtype
+        self.low: torch.Tensor | None = None  # reduce dtype (16-bit); each unit's slice written once
+        self.acc: torch.Tensor | None = None  # fp32 accumulator
+        self.written: set[int] = set()  # units whose slice of ``low`` holds a piece
+
+    def direct_slice(self, unit: Unit, compute_device: torch.device) -> torch.Tensor | None:
+        """The slice a collective may write the unit's piece into (first piece of a 16-bit store on the compute
+        device), marking it written; ``None`` when the piece must go through :meth:`add` instead."""
+        if self.reduce_dtype == torch.float32 or self.acc is not None or unit.index in self.written:
+            return None
+        if self.device != compute_device:
+            return None
+        if self.low is None:
+            self.low = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device)
+        self.written.add(unit.index)
+        return self.low[unit.partition_offset: unit.partition_offset + unit.slice_numel]
+
+    def add(self, unit: Unit, piece: torch.Tensor) -> None:
+        """Store the unit's reduced piece (reduce dtype, any device): copied into ``low`` if that is its first piece
+        there, else added into the fp32 accumulator (which is created, or widened from ``low``, on demand)."""
+        lo, hi = unit.partition_offset, unit.partition_offset + unit.slice_numel
+        if self.reduce_dtype != torch.float32 and self.acc is None and unit.index not in self.written:
+            if self.low is None:
+                self.low = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device)
+            self.low[lo:hi].copy_(piece)
+            self.written.add(unit.index)
+            return
+        self.widen()
+        self.acc[lo:hi].add_(piece.to(self.device))
+
+    def widen(self) -> None:
+        """Switch to the fp32 accumulator: ``acc = 0 + low`` (exact), ``low`` freed."""
+        if self.acc is not None:
+            return
+        self.acc = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
+        if self.low is not None:
+            self.acc.add_(self.low)
+            self.low = None
+        self.written.clear()
+
+    def fp32(self) -> torch.Tensor:
+        """The window's fp32 gradient partition (zeros if nothing was reduced); ``low`` is consumed."""
+        self.widen()
+        return self.acc
+
+    def nbytes(self) -> dict[str, int]:
+        return {"grad_partition_16bit": self.low.nbytes if self.low is not None else 0,
+                "grad_partition_fp32": self.acc.nbytes if self.acc is not None else 0}
 
 
 class FlatParamManager:
@@ -54,21 +110,21 @@ class FlatParamManager:
             raise ValueError(f"FlatParamManager handles stages 0-2, got {stage}")
         self.params, self.table, self.stage = params, table, stage
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
+        self.master_device = master_device
         self.shard_rank = comm.rank() if table.world_size > 1 else 0
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel]
-        self.grad_parts = [torch.zeros_like(m) for m in self.masters]
+        self.stores = self._new_stores()
         self.full: list[torch.Tensor] = [self._build_unit(u) for u in table.units]
-        self.grad_bufs: list[torch.Tensor] = []
         self._hooks = []
-        if stage in (0, 1):
-            self.grad_bufs = [torch.zeros_like(f) for f in self.full]
-            self._point_grads_at_buffers()
-        else:
+        if stage == 2:
             self._pending = [set() for _ in table.units]
             self._reduced = [False] * len(table.units)
             for i, p in enumerate(params):
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
+
+    def _new_stores(self) -> list[GradStore]:
+        return [GradStore(n, self.master_device, self.reduce_dtype) for n in self.table.group_partition_numel]
 
     # -- init ---------------------------------------------------------------------------------------------------
     def _build_unit(self, unit: Unit) -> torch.Tensor:
@@ -86,11 +142,40 @@ class FlatParamManager:
             p.data = full[slot.offset: slot.offset + slot.numel].view(p.shape)
         return full
 
-    def _point_grads_at_buffers(self) -> None:
-        for unit, gbuf in zip(self.table.units, self.grad_bufs):
-            for slot in unit.params:
-                p = self.params[slot.index]
-                p.grad = gbuf[slot.offset: slot.offset + slot.numel].view(p.shape)
+    # -- reduction of one unit ----------------------------------------------------------------------------------
+    def _pack(self, unit: Unit, out: torch.Tensor) -> None:
+        """Copy the unit's gradients (``None`` = zero) into ``out`` (``padded_numel`` elements), freeing each
+        ``param.grad`` as soon as it is copied; the padding is zeroed (no full memset)."""
+        out[unit.numel:].zero_()
+        for slot in unit.params:
+            p, dst = self.params[slot.index], out[slot.offset: slot.offset + slot.numel]
+            if p.grad is None:
+                dst.zero_()
+            else:
+                dst.copy_(p.grad.reshape(-1))
+                p.grad = None
+
+    @torch.no_grad()
+    def _reduce_unit(self, unit: Unit) -> None:
+        """One collective for the unit: all-reduce (stage 0) or reduce-scatter (stages 1/2) of its packed gradients,
+        this rank's piece into the group's :class:`GradStore`."""
+        store = self.stores[unit.group]
+        direct = store.direct_slice(unit, self.device)
+        if self.stage == 0:  # the "partition" is the whole unit: pack into the store and all-reduce there
+            flat = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
+                                                                 device=self.device)
+            self._pack(unit, flat)
+            comm.all_reduce_(flat)
+            piece = flat
+        else:
+            flat = torch.empty(unit.padded_numel(self.table.world_size), dtype=self.reduce_dtype, device=self.device)
+            self._pack(unit, flat)
+            piece = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
+                                                                  device=self.device)
+            comm.reduce_scatter_(piece, flat)
+            del flat
+        if direct is None:
+            store.add(unit, piece)
 
     # -- stage 2 hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, index: int):
@@ -104,54 +189,53 @@ class FlatParamManager:
         return hook
 
     def _reduce_stage2_unit(self, unit_id: int) -> None:
-        unit = self.table.units[unit_id]
-        grads = [self.params[s.index].grad for s in unit.params]
-        out = self.grad_parts[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
-        reduce_unit_grads(unit, grads, self.table.world_size, self.reduce_dtype, self.device, out)
-        for s in unit.params:
-            self.params[s.index].grad = None
+        self._reduce_unit(self.table.units[unit_id])
         self._pending[unit_id].clear()
         self._reduced[unit_id] = True
 
     # -- engine-facing protocol ---------------------------------------------------------------------------------
-    def after_backward(self) -> None:
-        """Stage 2: flush units whose gradients did not all arrive (unused parameters), in unit order."""
+    def after_backward(self, boundary: bool = True) -> None:
+        """Stage 2: flush units whose gradients did not all arrive (unused parameters), in unit order. When more
+        micro-steps follow (``boundary`` false), widen the 16-bit stores to fp32 so accumulation happens in fp32."""
         if self.stage == 2:
             for unit_id, done in enumerate(self._reduced):
                 if not done:
                     self._reduce_stage2_unit(unit_id)
             self._reduced = [False] * len(self.table.units)
+            if not boundary:
+                for store in self.stores:
+                    store.widen()
 
     @torch.no_grad()
     def reduce_at_boundary(self) -> None:
-        """Stages 0/1: reduce the accumulated full gradients, one collective per unit, into the fp32 partition."""
+        """Stages 0/1: reduce the accumulated gradients, one collective per unit, into the gradient stores."""
         if self.stage == 2:
             return
-        ws = comm.world_size()
-        for unit, gbuf in zip(self.table.units, self.grad_bufs):
-            for slot in unit.params:  # user code may have replaced .grad: fold it back into our buffer
-                p, view = self.params[slot.index], gbuf[slot.offset: slot.offset + slot.numel]
-                if p.grad is not None and p.grad.data_ptr() != view.data_ptr():
-                    view.copy_(p.grad.reshape(-1))
-            send = gbuf if gbuf.dtype == self.reduce_dtype else gbuf.to(self.reduce_dtype)
-            if self.stage == 0:
-                piece = comm.all_reduce_(send)
-            else:
-                piece = torch.empty(unit.slice_numel, dtype=self.reduce_dtype, device=self.device)
-                comm.reduce_scatter_(piece, send) if ws > 1 else piece.copy_(send)
-            out = self.grad_parts[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
-            out.add_(piece.to(device=out.device, dtype=out.dtype))
-            gbuf.zero_()
-        self._point_grads_at_buffers()
+        for unit in self.table.units:
+            self._reduce_unit(unit)
+
+    def grad_partitions(self) -> list[torch.Tensor]:
+        """This window's flat fp32 gradient partitions, one per group (allocated now when the store is 16-bit);
+        the optimizer may scale them in place. Released by :meth:`zero_grads`."""
+        return [store.fp32() for store in self.stores]
 
     def zero_grads(self) -> None:
-        for g in self.grad_parts:
-            g.zero_()
-        for gbuf in self.grad_bufs:
-            gbuf.zero_()
+        """End the window: drop the gradient stores and any ``param.grad`` (their memory is freed)."""
+        self.stores = self._new_stores()
+        for p in self.params:
+            p.grad = None
         if self.stage == 2:
-            for p in self.params:
-                p.grad = None
+            for pending in self._pending:
+                pending.clear()
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's live gradient buffers (for memory reports and tests)."""
+        out = {"grad_partition_16bit": 0, "grad_partition_fp32": 0}
+        for store in self.stores:
+            for k, v in store.nbytes().items():
+                out[k] += v
+        out["param_grads"] = sum(p.grad.nbytes for p in self.params if p.grad is not None)
+        return out
 
     @torch.no_grad()
     def update_params(self) -> None:
