@@ -4,10 +4,12 @@
 -----------------
 Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped. When the *outermost* ``__init__`` of an
 instance returns (its own ``reset_parameters`` has run), the module's direct parameters that are not partitioned yet
-are flattened into one buffer, broadcast from rank 0 (one collective per module: all ranks agree on the initial
-values), and each rank keeps only its slice (:class:`InitUnit`); ``param.data`` becomes an empty tensor. Children
-finish their ``__init__`` before their parent, so at most one module's parameters are ever materialised in full.
-``engine.initialize`` with stage 3 later re-lays these slices out into its own units, one unit at a time.
+are flattened into one buffer (one per dtype, in practice one), broadcast from rank 0 (one collective per buffer: all
+ranks agree on the initial values), and each rank keeps only its slice (:class:`InitUnit`); ``param.data`` becomes an
+empty tensor. Children finish their ``__init__`` before their parent, so at most one module's parameters are ever
+materialised in full. ``engine.initialize`` with stage 3 later re-lays these slices out into its own units, one unit
+at a time. The wrappers call whichever ``Init`` is innermost-active; on exit each is undone unless something
+wrapped it in turn (a class decorator run on a class created inside the context), where it stays as a pass-through.
 
 transformers models: a ``PreTrainedModel``'s ``post_init`` re-initialises weights after its children were partitioned
 (``initialize_weights`` -> ``smart_apply`` -> ``_initialize_weights(module)`` -> ``_init_weights(module)``, children
@@ -15,15 +17,30 @@ first). While the context is active every ``PreTrainedModel`` class defining ``_
 class is recognised by its MRO, so transformers is never imported here and classes created inside the context are
 caught too): each call for a module not yet ``_is_hf_initialized`` gathers that module's direct parameters and its
 direct non-``PreTrainedModel`` children's (``_init_weights(attn)`` may write ``attn.q_proj.weight``; the same set as
-transformers' own ``initialize_weights_zero3``), runs the original on every rank with the values on the device the
-module built them on (CPU, also next to a GPU: :func:`on_build_device`), then broadcasts rank 0's values and
-re-partitions them (``modifier_rank=0``). Peak memory: one module and its direct children, never the whole model.
+transformers' own ``initialize_weights_zero3``) that are not ``_is_hf_initialized`` themselves (loaded by
+``from_pretrained``: transformers' init functions skip them, and its own ZeRO-3 path does not gather them either),
+runs the original on every rank with the values on the device the module built them on (CPU, also next to a GPU:
+:func:`on_build_device`), then broadcasts rank 0's values and re-partitions them (``modifier_rank=0``). Peak memory:
+one module and its direct children, never the whole model.
 Every rank runs the same init calls on the same shapes and devices, so the RNGs advance exactly as without ``Init``:
 with equal seeds the partitions hold bit-for-bit the values of a model built without ``Init``. An
 ``_init_weights`` that writes parameters deeper than the direct children (a few detection models) writes into
 empty tensors there, as in transformers' own ZeRO-3 path; gather those yourself. Other code that re-initialises
 weights *after* construction sees empty tensors too: wrap it in ``GatheredParameters(params, modifier_rank=0)``, or
 load weights afterwards.
+
+dtype: floating-point parameters are cast to the dtype DeepSpeed's ``zero.Init`` would pick (:func:`init_dtype`:
+``dtype=`` if given, else the config's bf16/fp16 section, else float32; no config and no ``dtype``: kept) when their
+module is partitioned, i.e. after its own init ran in the built dtype: the partitions hold ``plain.to(dtype)``
+values. Buffers and integer parameters keep their dtype. ``engine.initialize`` then builds its fp32 masters from
+these (already rounded) values, as DeepSpeed's stage 3 builds its fp32 partitions from the 16-bit ones.
+
+transformers ``from_pretrained`` (``PreTrainedModel`` and the ``Auto`` classes) inside the context builds the model
+on the meta device and then loads the checkpoint. While the context is active, ``get_init_context`` adds a marker
+under which meta parameters are *deferred* (left unpartitioned; elsewhere a meta parameter is an error),
+``_load_pretrained_model`` is replaced by :func:`engine.zero.pretrained.load_into_partitions` (one module at a time:
+rank 0 reads that module's tensors from the checkpoint, the unit is broadcast and partitioned) and
+``_finalize_model_loading`` partitions what transformers initialised or materialised afterwards (missing keys).
 
 ``GatheredParameters(params, modifier_rank=None)``: all-gathers the units holding ``params`` (one all-gather per
 unit); on exit, when ``modifier_rank`` is given, that rank's values are broadcast and re-partitioned (also into the
@@ -35,12 +52,16 @@ from __future__ import annotations
 
 import contextlib
 import functools
-from typing import Callable
+import os
+import types
+from collections.abc import Mapping
+from typing import Any, Callable
 
 import torch
 from torch import nn
 
 from engine import comm
+from engine.config_keys import AUTO, ConfigError
 from engine.partition import build_partition
 
 _ACTIVE: list["Init"] = []
@@ -189,18 +210,152 @@ def _gathered_hf_initialize_weights(orig: Callable) -> Callable:
     def wrapper(model, module, *args, **kwargs):
         if getattr(module, "_is_hf_initialized", False):  # already done (an outer model's post_init walks it again)
             return orig(model, module, *args, **kwargs)
-        params = _hf_init_weights_params(module)
+        params = [p for p in _hf_init_weights_params(module) if not getattr(p, "_is_hf_initialized", False)]
         with GatheredParameters(params, modifier_rank=0), on_build_device(params):
             return orig(model, module, *args, **kwargs)
     wrapper._zero_wrapped = True
     return wrapper
 
 
+def _active() -> "Init | None":
+    return _ACTIVE[-1] if _ACTIVE else None
+
+
+def _deferred(model: nn.Module) -> bool:
+    return any(m.__dict__.get("_zero_init_deferred") for m in model.modules())
+
+
+def _hf_get_init_context(orig: classmethod) -> classmethod:
+    """``PreTrainedModel.get_init_context`` (classmethod): transformers' contexts for from_pretrained's build (meta
+    device, default dtype, no tying) plus :meth:`Init.deferring_meta`, so the meta parameters wait to be loaded."""
+    func = orig.__func__
+
+    @functools.wraps(func)
+    def wrapper(cls, *args, **kwargs):
+        contexts = list(func(cls, *args, **kwargs))
+        init = _active()
+        return contexts + [init.deferring_meta()] if init is not None else contexts
+    return _marked(classmethod(wrapper))
+
+
+def _hf_loading_step(hook: Callable) -> Callable:
+    """Wrap a ``PreTrainedModel`` loading step, a static- or classmethod (transformers 5 releases differ), as
+    ``hook(original, *args, **kwargs)``; ``original`` is the bound original."""
+
+    def wrap(orig):
+        func = orig.__func__
+        if isinstance(orig, classmethod):
+            @functools.wraps(func)
+            def bound(cls, *args, **kwargs):
+                return hook(functools.partial(func, cls), *args, **kwargs)
+            return _marked(classmethod(bound))
+
+        @functools.wraps(func)
+        def static(*args, **kwargs):
+            return hook(func, *args, **kwargs)
+        return _marked(staticmethod(static))
+    return wrap
+
+
+@_hf_loading_step
+def _hf_load_pretrained_model(original, model, state_dict, checkpoint_files, load_config, *args, **kwargs):
+    """``_load_pretrained_model``: for a model built under ``Init`` with deferred meta parameters,
+    :func:`engine.zero.pretrained.load_into_partitions` instead (same return: ``(loading_info, offload index)``)."""
+    init = _active()
+    if init is None or not _deferred(model):
+        return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
+    from engine.zero.pretrained import load_into_partitions
+    return load_into_partitions(init, model, state_dict, checkpoint_files, load_config), None
+
+
+@_hf_loading_step
+def _hf_finalize_model_loading(original, model, load_config, loading_info, *args, **kwargs):
+    """``_finalize_model_loading`` (tie, initialise missing keys): then partition what it materialised."""
+    init = _active()
+    if init is None or not model.__dict__.get("_zero_init_loaded"):
+        return original(model, load_config, loading_info, *args, **kwargs)
+    from engine.zero.pretrained import finalize_partitions
+    return finalize_partitions(init, model, loading_info,
+                               functools.partial(original, model, load_config, loading_info, *args, **kwargs))
+
+
+def _marked(wrapper):
+    wrapper._zero_wrapped = True
+    return wrapper
+
+
+#: ``PreTrainedModel`` members wrapped while an ``Init`` is active, on every class defining them as the expected
+#: kind of attribute: name -> (kinds, wrapper).
+_HF_WRAPPERS = {"_initialize_weights": (types.FunctionType, _gathered_hf_initialize_weights),
+                "get_init_context": (classmethod, _hf_get_init_context),
+                "_load_pretrained_model": ((staticmethod, classmethod), _hf_load_pretrained_model),
+                "_finalize_model_loading": ((staticmethod, classmethod), _hf_finalize_model_loading)}
+
+_INIT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def init_dtype(config=None, dtype: torch.dtype | None = None) -> torch.dtype | None:
+    """The dtype ``Init`` gives floating-point parameters; DeepSpeed's rule, from
+    ``InsertPostInitMethodToModuleSubClasses._set_dtype`` (deepspeed/runtime/zero/partition_parameters.py):
+
+    * ``dtype`` given: that dtype (float16, bfloat16 or float32, which DeepSpeed asserts);
+    * else a config given (dict, JSON path or :class:`engine.config.EngineConfig`): bfloat16 if ``bf16.enabled``
+      (legacy key ``bfloat16``, read only when ``bf16`` is absent, as ``get_bfloat16_config``), else float16 if
+      ``fp16.enabled``, else float32; both enabled is an error;
+    * neither: ``None``, the parameters keep the dtype they were built in. Here DeepSpeed picks float16 if the
+      accelerator supports it (bfloat16, float32 otherwise); we keep the model's dtype instead.
+
+    One more deviation: DeepSpeed's ``dtype or torch.float16 if fp16_supported else ...`` drops an explicit ``dtype``
+    on accelerators without fp16 (operator precedence); here an explicit ``dtype`` always wins.
+    """
+    if dtype is not None:
+        if dtype not in _INIT_DTYPES:
+            raise ValueError(f"zero.Init(dtype={dtype}) is not supported; use torch.float16, torch.bfloat16 or "
+                             "torch.float32 (as DeepSpeed), or leave dtype=None to keep the model's dtype")
+        return dtype
+    if config is None:
+        return None
+    bf16, fp16 = _precision_flags(config)
+    if bf16 and fp16:
+        raise ConfigError("bf16.enabled=true and fp16.enabled=true; enable at most one of them (zero.Init picks the "
+                          "parameter dtype from them)")
+    return torch.bfloat16 if bf16 else torch.float16 if fp16 else torch.float32
+
+
+def _precision_flags(config) -> tuple[bool, bool]:
+    """``(bf16.enabled, fp16.enabled)`` of a DeepSpeed-style config, without resolving the rest of it."""
+    from engine.config import EngineConfig, _read
+
+    if isinstance(config, EngineConfig):
+        return config.bf16.enabled, config.fp16.enabled
+    if not isinstance(config, (Mapping, str, os.PathLike)):
+        raise ConfigError(f"zero.Init(config=...) must be a dict, a path to a DeepSpeed JSON file or an EngineConfig, "
+                          f"got {type(config).__name__}")
+    raw = _read(config)
+    flags = []
+    for key in ("bf16", "fp16"):
+        section: Any = raw.get(key, {})
+        if key == "bf16" and raw.get("bf16") is None:  # get_bfloat16_config: "bf16", else the legacy "bfloat16"
+            section = raw.get("bfloat16", {})
+        if not isinstance(section, Mapping):
+            raise ConfigError(f"{key} must be a JSON object such as {{\"enabled\": true}}, got {section!r}")
+        enabled = section.get("enabled", False)
+        if enabled == AUTO:
+            raise ConfigError(f"{key}.enabled is \"auto\" but zero.Init has no training_args to resolve it; pass the "
+                              "resolved config (engine.config.load_config(cfg, training_args=...).to_dict()) or "
+                              "dtype=")
+        if not isinstance(enabled, bool):
+            raise ConfigError(f"{key}.enabled={enabled!r} must be true or false")
+        flags.append(enabled)
+    return flags[0], flags[1]
+
+
 class Init:
     """Context manager: construct a model with its parameters partitioned across ranks (ZeRO-3).
 
     Accepts DeepSpeed's keyword arguments (``config_dict_or_path``, ``config``, ``remote_device``, ``enabled``,
-    ``dtype``, ...); ``remote_device="cpu"`` keeps the slices on CPU.
+    ``dtype``, ...); ``remote_device="cpu"`` keeps the slices on CPU. Floating-point parameters are cast to
+    :func:`init_dtype` (``config`` wins over ``config_dict_or_path``, as in DeepSpeed).
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
@@ -208,8 +363,9 @@ class Init:
                  **_ignored):
         self.enabled = enabled
         self.remote_device = remote_device
-        self.dtype = dtype
+        self.dtype = init_dtype(config if config is not None else config_dict_or_path, dtype)
         self._saved: list = []
+        self._meta_builds = 0  # > 0 while transformers' from_pretrained builds a model on the meta device
 
     def __enter__(self):
         if not self.enabled:
@@ -234,8 +390,12 @@ class Init:
         if not self.enabled:
             return False
         _ACTIVE.remove(self)
-        for cls, name, orig in reversed(self._saved):
-            setattr(cls, name, orig)
+        for cls, name, orig, ours in reversed(self._saved):
+            # Put the original back only where our wrapper is still in place: a class decorator that ran after the
+            # class was created here (transformers' use_experts_implementation wraps __init__) wrapped *ours*,
+            # and restoring the bare original would drop its code. Left behind, our wrapper is a pass-through.
+            if cls.__dict__.get(name) is ours:
+                setattr(cls, name, orig)
         self._saved = []
         had, orig = self._saved_init_subclass
         if had:
@@ -246,16 +406,18 @@ class Init:
 
     def _patch(self, cls) -> None:
         self._patch_init(cls)
-        orig = cls.__dict__.get("_initialize_weights")
-        if orig is not None and not getattr(orig, "_zero_wrapped", False) and _is_hf_pretrained_model(cls):
-            cls._initialize_weights = _gathered_hf_initialize_weights(orig)
-            self._saved.append((cls, "_initialize_weights", orig))
+        if not _is_hf_pretrained_model(cls):
+            return
+        for name, (kind, wrap) in _HF_WRAPPERS.items():
+            orig = cls.__dict__.get(name)
+            if isinstance(orig, kind) and not getattr(orig, "_zero_wrapped", False):
+                setattr(cls, name, wrap(orig))
+                self._saved.append((cls, name, orig, cls.__dict__[name]))
 
     def _patch_init(self, cls) -> None:
         orig = cls.__dict__.get("__init__")
         if orig is None or getattr(orig, "_zero_wrapped", False):
             return
-        init = self
 
         @functools.wraps(orig)
         def wrapper(module, *args, **kwargs):
@@ -267,21 +429,46 @@ class Init:
                 module.__dict__["_zero_init_depth"] = depth
             if depth == 0:
                 module.__dict__.pop("_zero_init_depth", None)
-                if _ACTIVE and _ACTIVE[-1] is init:
+                init = _active()  # the innermost active context (a wrapper left behind by __exit__ may outlive its own)
+                if init is not None:
                     init._partition_module(module)
         wrapper._zero_wrapped = True
         cls.__init__ = wrapper
-        self._saved.append((cls, "__init__", orig))
+        self._saved.append((cls, "__init__", orig, wrapper))
 
     def _partition_module(self, module: nn.Module) -> None:
         params = [p for p in module._parameters.values()
                   if p is not None and p.__dict__.get("_zero_mgr") is None]
-        if self.dtype is not None:
-            for p in params:
-                if p.is_floating_point():
-                    p.data = p.data.to(self.dtype)
-        if params:
-            InitUnit(params, self.device, self.store_device)
+        if any(p.is_meta for p in params):
+            if not self._meta_builds:
+                names = [n for n, p in module._parameters.items() if p is not None and p.is_meta]
+                raise RuntimeError(f"zero.Init cannot partition {type(module).__name__}.{names[0]}: it is on the meta "
+                                   "device (no data). Build the model on a real device inside zero.Init, or load it "
+                                   "with transformers' from_pretrained, which zero.Init streams into partitions")
+            module.__dict__["_zero_init_deferred"] = True  # loaded by engine.zero.pretrained, then partitioned
+            params = [p for p in params if not p.is_meta]
+        self.partition(params)
+
+    def partition(self, params: list[nn.Parameter]) -> None:
+        """Cast ``params`` (one module's, full and not yet partitioned) to :attr:`dtype` if floating-point and
+        partition them: one unit per dtype (an integer parameter never shares a flat buffer with floats), each
+        broadcast from rank 0, this rank's slice kept."""
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in params:
+            if self.dtype is not None and p.is_floating_point():
+                p.data = p.data.to(self.dtype)
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            InitUnit(group, self.device, self.store_device)
+
+    @contextlib.contextmanager
+    def deferring_meta(self):
+        """Entered by the patched ``get_init_context`` around transformers' meta-device build."""
+        self._meta_builds += 1
+        try:
+            yield
+        finally:
+            self._meta_builds -= 1
 
 
 class GatheredParameters:

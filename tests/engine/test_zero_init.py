@@ -6,6 +6,11 @@ gloo ranks builds the models under ``Init`` with seed 0; the parent builds the s
 ``Init`` and compares: every gathered parameter bit-identical, the global RNG advanced identically, the patch undone
 on exit, and a stage-3 engine built from the partitions starting from the same loss.
 
+The same workers then build under a bf16 config (parameters cast to bf16 after their init: ``plain.to(bf16)``
+values; integer parameters and buffers untouched) and with an explicit ``dtype=`` (which wins over the config), and
+train a bf16 stage-3 engine from the bf16 partitions (fp32 masters = the bf16 values, first loss = a plain bf16
+forward). The dtype rule itself (DeepSpeed's ``_set_dtype``) is tested without processes.
+
 This module must not import transformers at import time: the workers import it first *inside* the ``Init`` context
 (as ``engine/demo.py`` does), which is the harder case (the classes are created while the context is active).
 """
@@ -28,6 +33,18 @@ VOCAB = 128
 STAGE3 = {"train_micro_batch_size_per_gpu": 2, "gradient_accumulation_steps": 1,
           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
           "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0}, "steps_per_print": 10**6}
+BF16 = {**STAGE3, "bf16": {"enabled": True}}
+
+
+class WithInts(nn.Module):
+    """Float and integer parameters in one module, float and integer buffers."""
+
+    def __init__(self):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(5, 3))
+        self.offsets = nn.Parameter(torch.arange(300, 305), requires_grad=False)  # > 256: not exact in bf16
+        self.register_buffer("scale", torch.full((3,), 1.1))
+        self.register_buffer("count", torch.tensor(3))
 
 
 def tiny_llama():
@@ -101,7 +118,39 @@ def build_under_init(rank: int, world_size: int, out: Path) -> None:
     eng.backward(loss)
     eng.step()
     report["engine.first_loss"] = loss.item()
+    report.update(build_with_dtypes(engine, rank, out))
     (out / f"report.rank{rank}.json").write_text(json.dumps(report))
+
+
+def build_with_dtypes(engine, rank: int, out: Path) -> dict:
+    """Init's dtype: a bf16 config, an explicit dtype over it, integer tensors; a bf16 stage-3 engine on top."""
+    report = {}
+    for name, build, init_kw in (("llama_bf16", tiny_llama, {"config": BF16}),
+                                 ("llama_fp16_explicit", tiny_llama, {"config": BF16, "dtype": torch.float16}),
+                                 ("ints_bf16", WithInts, {"config": BF16})):
+        torch.manual_seed(0)
+        with engine.zero.Init(**init_kw):
+            model = build()
+        state = _full_state(engine, model)
+        state.update({f"buffer:{n}": b.clone() for n, b in model.named_buffers()})
+        save_file(state, str(out / f"{name}.rank{rank}.safetensors"))
+        if name == "llama_bf16":
+            llama = model
+    torch.manual_seed(0)
+    plain = tiny_llama().to(torch.bfloat16)
+    with torch.no_grad():
+        report["bf16.plain_loss"] = plain(input_ids=batch(), labels=batch()).loss.item()
+    eng, *_ = engine.initialize(model=llama, model_parameters=llama.parameters(), config=BF16)
+    masters = eng.fp32_state_dict()
+    save_file({n: masters[n] for n, _ in llama.named_parameters()}, str(out / f"bf16_masters.rank{rank}.safetensors"))
+    loss = eng(input_ids=batch(), labels=batch()).loss
+    eng.backward(loss)
+    eng.step()
+    report["bf16.engine_first_loss"] = loss.item()
+    return report
+
+
+DTYPE_BUILDS = ("llama_bf16", "llama_fp16_explicit", "ints_bf16", "bf16_masters")
 
 
 @pytest.fixture(scope="module")
@@ -110,7 +159,8 @@ def built(tmp_path_factory):
     out = tmp_path_factory.mktemp("zero_init")
     launch(build_under_init, 2, out)
     reports = [json.loads((out / f"report.rank{r}.json").read_text()) for r in range(2)]
-    states = {(name, r): load_file(str(out / f"{name}.rank{r}.safetensors")) for name in BUILDERS for r in range(2)}
+    states = {(name, r): load_file(str(out / f"{name}.rank{r}.safetensors"))
+              for name in (*BUILDERS, *DTYPE_BUILDS) for r in range(2)}
     return reports, states
 
 
@@ -164,3 +214,103 @@ def test_initial_loss_is_ln_vocab_and_the_engine_starts_there(built):
 def test_transformers_imported_inside_the_context_and_patch_undone(built):
     reports, _ = built
     assert all(r["first_import_inside"] and r["patch_undone"] for r in reports)
+
+
+# -- Init's dtype ------------------------------------------------------------------------------------------------
+def _cast(state: dict, dtype: torch.dtype) -> dict:
+    return {n: t.to(dtype) if t.is_floating_point() else t for n, t in state.items()}
+
+
+@pytest.mark.parametrize("name,dtype", [("llama_bf16", torch.bfloat16), ("llama_fp16_explicit", torch.float16)])
+def test_config_dtype_casts_partitions_to_plain_values(built, name, dtype):
+    """bf16 config: partitions hold ``plain.to(bf16)``; an explicit ``dtype=float16`` wins over the bf16 config.
+    The init ran in fp32 (rounded once afterwards), so the values are the plain build's, not a bf16 init's."""
+    _, states = built
+    model, _ = reference("llama")
+    want = _cast({n: p.detach() for n, p in model.named_parameters()}, dtype)
+    want.update({f"buffer:{n}": b for n, b in model.named_buffers()})  # buffers keep their dtype
+    for rank in range(2):
+        got = states[(name, rank)]
+        assert sorted(got) == sorted(want)
+        for n, w in want.items():
+            assert got[n].dtype == w.dtype and torch.equal(got[n], w), (rank, n)
+
+
+def test_integer_parameters_and_buffers_are_untouched(built):
+    _, states = built
+    torch.manual_seed(0)
+    plain = WithInts()
+    for rank in range(2):
+        got = states[("ints_bf16", rank)]
+        assert got["weight"].dtype == torch.bfloat16 and torch.equal(got["weight"], plain.weight.detach().bfloat16())
+        assert got["offsets"].dtype == torch.int64 and got["offsets"].tolist() == [300, 301, 302, 303, 304]
+        assert got["buffer:scale"].dtype == torch.float32 and torch.equal(got["buffer:scale"], plain.scale)
+        assert got["buffer:count"].dtype == torch.int64 and got["buffer:count"].item() == 3
+
+
+def test_bf16_engine_masters_are_the_bf16_values_and_first_loss_is_plain(built):
+    """As DeepSpeed's stage 3 builds its fp32 partitions from the 16-bit ones: masters = fp32(bf16 values)."""
+    reports, states = built
+    model, _ = reference("llama")
+    for rank in range(2):
+        for n, p in model.named_parameters():
+            assert torch.equal(states[("bf16_masters", rank)][n], p.detach().bfloat16().float()), (rank, n)
+        assert reports[rank]["bf16.engine_first_loss"] == reports[rank]["bf16.plain_loss"]
+
+
+CONFIG_DTYPES = [  # (config, dtype=) -> what DeepSpeed's _set_dtype picks
+    ({}, None, torch.float32),
+    ({"bf16": {"enabled": True}}, None, torch.bfloat16),
+    ({"fp16": {"enabled": True}}, None, torch.float16),
+    ({"bfloat16": {"enabled": True}}, None, torch.bfloat16),  # legacy key
+    ({"bf16": {"enabled": False}, "bfloat16": {"enabled": True}}, None, torch.float32),  # "bf16" read first
+    ({"fp16": {"enabled": False}, "bf16": {"enabled": False}}, None, torch.float32),
+    ({"bf16": {"enabled": True}}, torch.float16, torch.float16),  # explicit dtype wins
+    ({"fp16": {"enabled": True}}, torch.float32, torch.float32),
+]
+
+
+@pytest.mark.parametrize("config,dtype,want", CONFIG_DTYPES)
+def test_init_dtype_rule(config, dtype, want):
+    from engine.zero.init import init_dtype
+
+    assert init_dtype({**STAGE3, **config}, dtype) == want
+
+
+def test_init_dtype_sources_and_errors(tmp_path):
+    from engine.config import ConfigError, load_config
+    from engine.zero import Init
+    from engine.zero.init import init_dtype
+
+    assert init_dtype(None, None) is None  # no config, no dtype: the model's own dtype is kept
+    assert init_dtype(None, torch.bfloat16) == torch.bfloat16
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(BF16))
+    assert init_dtype(str(path)) == init_dtype(path) == torch.bfloat16
+    assert init_dtype(load_config(BF16)) == torch.bfloat16  # a typed EngineConfig
+    # DeepSpeed: ``config`` replaces ``config_dict_or_path``
+    assert Init(config_dict_or_path={"fp16": {"enabled": True}}, config=BF16).dtype == torch.bfloat16
+    assert Init(config_dict_or_path={"fp16": {"enabled": True}}).dtype == torch.float16
+    with pytest.raises(ConfigError, match="at most one"):
+        init_dtype({"bf16": {"enabled": True}, "fp16": {"enabled": True}})
+    with pytest.raises(ConfigError, match="auto"):
+        init_dtype({"bf16": {"enabled": "auto"}})
+    with pytest.raises(ValueError, match="float64"):
+        init_dtype(BF16, torch.float64)
+    with pytest.raises(ConfigError, match="dict, a path"):
+        init_dtype(42)
+
+
+@pytest.mark.deepspeed
+@pytest.mark.parametrize("config,dtype,want", CONFIG_DTYPES)
+def test_init_dtype_rule_is_deepspeeds(config, dtype, want):
+    """Against the installed DeepSpeed's own InsertPostInitMethodToModuleSubClasses._set_dtype."""
+    pytest.importorskip("deepspeed")
+    from deepspeed.runtime.config import DeepSpeedConfig
+    from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
+
+    from engine.zero.init import init_dtype
+
+    probe = object.__new__(InsertPostInitMethodToModuleSubClasses)
+    InsertPostInitMethodToModuleSubClasses._set_dtype(probe, DeepSpeedConfig({**STAGE3, **config}), dtype)
+    assert probe.dtype == want == init_dtype({**STAGE3, **config}, dtype)
