@@ -70,10 +70,13 @@ _ACTIVE: list["Init"] = []
 class InitUnit:
     """The direct parameters of one module, partitioned at construction time (one slice per rank)."""
 
-    def __init__(self, params: list[nn.Parameter], device: torch.device, store_device: torch.device):
+    def __init__(self, params: list[nn.Parameter], device: torch.device, store_device: torch.device,
+                 built_dtypes: list[torch.dtype] | None = None):
         self.params = params
         self.shapes = [tuple(p.shape) for p in params]
         self.built_on = [p.device for p in params]  # where the module made them (CPU unless built under a device)
+        # the dtype the module made them in, before Init's cast: HF's init re-runs in it (see on_build_device)
+        self.built_dtypes = built_dtypes or [p.dtype for p in params]
         self.dtype = functools.reduce(torch.promote_types, [p.dtype for p in params])
         self.ws, self.rank, self.device = comm.world_size(), comm.rank(), device
         table = build_partition([p.numel() for p in params], [0] * len(params), [list(range(len(params)))], self.ws)
@@ -128,20 +131,25 @@ class InitUnit:
 
 @contextlib.contextmanager
 def on_build_device(params):
-    """While ``params`` are gathered: hold the ``zero.Init`` ones on the device their module built them on, so code
-    run now (HF's init) computes -- and draws random numbers -- where a plain build would; moved back after, for the
-    enclosing ``GatheredParameters(modifier_rank=...)`` to write into the unit. Others are left alone."""
+    """While ``params`` are gathered: hold the ``zero.Init`` ones on the device, and in the dtype, their module built
+    them in, so code run now (HF's init) computes -- and draws random numbers -- as a plain build would (``normal_``
+    on a CUDA bf16 tensor draws other values than on fp32 and casting); moved and cast back after (``.to`` rounding),
+    for the enclosing ``GatheredParameters(modifier_rank=...)`` to write into the unit. Others are left alone."""
     moved = []
     for p in params:
         store = p.__dict__.get("_zero_init_store")
-        if store is not None and store.full is not None and p.device != store.built_on[p._zero_init_slot]:
-            moved.append((p, p.device))
-            p.data = p.data.to(store.built_on[p._zero_init_slot])
+        if store is None or store.full is None:
+            continue
+        slot = p._zero_init_slot
+        device, dtype = store.built_on[slot], store.built_dtypes[slot]
+        if p.device != device or p.dtype != dtype:
+            moved.append((p, p.device, p.dtype))
+            p.data = p.data.to(device=device, dtype=dtype)
     try:
         yield
     finally:
-        for p, device in moved:
-            p.data = p.data.to(device)
+        for p, device, dtype in moved:
+            p.data = p.data.to(device=device, dtype=dtype)
 
 
 def full_data_of(param: nn.Parameter, cache: dict) -> tuple[torch.Tensor, bool]:
@@ -453,13 +461,14 @@ class Init:
         """Cast ``params`` (one module's, full and not yet partitioned) to :attr:`dtype` if floating-point and
         partition them: one unit per dtype (an integer parameter never shares a flat buffer with floats), each
         broadcast from rank 0, this rank's slice kept."""
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.dtype]]] = {}
         for p in params:
+            built = p.dtype
             if self.dtype is not None and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
-            by_dtype.setdefault(p.dtype, []).append(p)
+            by_dtype.setdefault(p.dtype, []).append((p, built))
         for group in by_dtype.values():
-            InitUnit(group, self.device, self.store_device)
+            InitUnit([p for p, _ in group], self.device, self.store_device, [b for _, b in group])
 
     @contextlib.contextmanager
     def deferring_meta(self):
