@@ -47,6 +47,20 @@ from engine import comm
 from engine.partition import PartitionTable, Unit
 
 
+
+def pack_unit_grads(unit: Unit, params: list, out: torch.Tensor) -> None:
+    """Copy the unit's gradients (``None`` = zero) into ``out`` (``padded_numel`` elements), freeing each
+    ``param.grad`` as soon as it is copied; the padding is zeroed (no full memset). Shared by stages 0-2 and 3."""
+    out[unit.numel:].zero_()
+    for slot in unit.params:
+        p, dst = params[slot.index], out[slot.offset: slot.offset + slot.numel]
+        if p.grad is None:
+            dst.zero_()
+        else:
+            dst.copy_(p.grad.reshape(-1))
+            p.grad = None
+
+
 class GradStore:
     """One optimizer group's reduced gradient partition for the current accumulation window (see module doc)."""
 
@@ -144,16 +158,7 @@ class FlatParamManager:
 
     # -- reduction of one unit ----------------------------------------------------------------------------------
     def _pack(self, unit: Unit, out: torch.Tensor) -> None:
-        """Copy the unit's gradients (``None`` = zero) into ``out`` (``padded_numel`` elements), freeing each
-        ``param.grad`` as soon as it is copied; the padding is zeroed (no full memset)."""
-        out[unit.numel:].zero_()
-        for slot in unit.params:
-            p, dst = self.params[slot.index], out[slot.offset: slot.offset + slot.numel]
-            if p.grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(p.grad.reshape(-1))
-                p.grad = None
+        pack_unit_grads(unit, self.params, out)
 
     @torch.no_grad()
     def _reduce_unit(self, unit: Unit) -> None:

@@ -45,6 +45,7 @@ from torch import nn
 
 from engine import comm
 from engine.partition import PartitionTable, Unit
+from engine.zero.flat import pack_unit_grads
 from engine.zero.prefetch import FetchTrace, Stage3Options
 
 _EMPTY_CACHE: dict = {}
@@ -347,14 +348,7 @@ class PartitionedParamManager:
         release the unit."""
         unit = self.table.units[unit_id]
         flat = torch.empty(self.padded[unit_id], dtype=self.reduce_dtype, device=self.device)
-        flat[unit.numel:].zero_()  # padding; every parameter's range is written below (no full memset)
-        for slot in unit.params:
-            p, dst = self.params[slot.index], flat[slot.offset: slot.offset + slot.numel]
-            if p.grad is None:
-                dst.zero_()
-            else:
-                dst.copy_(p.grad.reshape(-1))
-                p.grad = None
+        pack_unit_grads(unit, self.params, flat)
         out = self.grad_parts[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
         self.stats["reduce_scatters"] += 1
         if self.ws == 1:
