@@ -59,7 +59,7 @@ def load_into_partitions(init, model: nn.Module, state_dict, checkpoint_files, l
     _refuse_unsupported(model, load_config)
     info = LoadStateDictInfo(missing_keys=set(model.state_dict().keys()), unexpected_keys=set(),
                              mismatched_keys=set(), error_msgs=[], conversion_errors={}, skipped_pp_keys=set())
-    checkpoint = _Checkpoint(state_dict, checkpoint_files, load_config.weights_only, reader=comm.rank() == 0)
+    checkpoint = _Checkpoint(state_dict, checkpoint_files, reader=comm.rank() == 0)
     try:
         plan = _Plan(model, checkpoint, load_config, init.dtype, info)
         _Loader(init, model, checkpoint, plan, info).run()
@@ -144,7 +144,7 @@ def _tied_pairs_in_checkpoint(model: nn.Module, loading_info) -> list[nn.Paramet
 class _Checkpoint:
     """A checkpoint's keys and shapes on every rank (file headers only); tensor bytes on the reader (rank 0)."""
 
-    def __init__(self, state_dict: dict | None, files, weights_only: bool, reader: bool):
+    def __init__(self, state_dict: dict | None, files, reader: bool):
         self.reader = reader
         self._tensors: dict[str, torch.Tensor] = dict(state_dict or {})  # state_dict= and .bin: maybe meta / mmap
         self._handles: dict[str, Any] = {}  # safetensors key -> its open file
@@ -159,9 +159,10 @@ class _Checkpoint:
             else:
                 from transformers.modeling_utils import load_state_dict
 
-                # zip .bin: memory-mapped on the reader (pages read when a tensor is used); meta elsewhere
+                # zip .bin: memory-mapped on the reader (pages read when a tensor is used); meta elsewhere. Always
+                # weights_only (house rule: no arbitrary unpickling), whatever from_pretrained was given
                 self._tensors.update(load_state_dict(path, map_location="cpu" if reader else "meta",
-                                                     weights_only=weights_only))
+                                                     weights_only=True))
 
     def keys(self) -> list[str]:
         return [*self._handles, *self._tensors]
