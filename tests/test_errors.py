@@ -75,6 +75,22 @@ def test_latest_empty(capsys, copy_fixture, tmp_path):
     assert_clean_failure(capsys, src, tmp_path / "out", "empty", "--tag")
 
 
+def test_zero_stage0_checkpoint_is_named(capsys, tmp_path):
+    """DeepSpeed without ZeRO writes only mp_rank_00_model_states.pt (weights + optimizer inside; layout as a real
+    DeepSpeed 0.19.8 stage-0 save): say that, not 'saved without optimizer state'."""
+    import torch
+
+    tag = tmp_path / "ckpt" / "global_step3"
+    tag.mkdir(parents=True)
+    w = torch.randn(4, 3)
+    torch.save({"module": {"w": w.bfloat16()}, "buffer_names": [], "param_shapes": None, "shared_params": None,
+                "optimizer": {"cur_scale": 1.0, "fp32_groups": [[w]]}, "ds_config": {"zero_optimization": {"stage": 0}},
+                "ds_version": "0.19.8"}, tag / "mp_rank_00_model_states.pt")
+    (tmp_path / "ckpt" / "latest").write_text("global_step3")
+    assert_clean_failure(capsys, tmp_path / "ckpt", tmp_path / "out", "without ZeRO", "stage 0",
+                         "mp_rank_00_model_states.pt")
+
+
 def test_not_a_checkpoint(capsys, tmp_path):
     src = tmp_path / "photos"
     src.mkdir()

@@ -49,6 +49,7 @@ def _optim_files(tag_dir: Path) -> tuple[str, dict[int, Path]]:
         prefixes.add(match.group(1) or "")
         files[int(match.group(2))] = path
     if not files:
+        _refuse_zero0(tag_dir)
         raise CheckpointIncompleteError(
             f"{tag_dir} has no *_optim_states.pt files: the fp32 weights of a ZeRO checkpoint live in them — was it "
             "saved with the optimizer state excluded? Re-save with the optimizer, or pick another tag with --tag")
@@ -56,6 +57,24 @@ def _optim_files(tag_dir: Path) -> tuple[str, dict[int, Path]]:
         raise CheckpointCorruptError(f"{tag_dir} mixes bf16_zero_pp_rank_* and zero_pp_rank_* optimizer files "
                                      "from different runs; delete the stale ones or re-save")
     return prefixes.pop(), files
+
+
+def _refuse_zero0(tag_dir: Path) -> None:
+    """A DeepSpeed run without ZeRO (stage 0) keeps weights and optimizer in ``mp_rank_00_model_states.pt`` alone;
+    say so instead of suspecting a save without optimizer state."""
+    path = tag_dir / "mp_rank_00_model_states.pt"
+    try:
+        state = load_lazy(path) if path.is_file() else None
+    except Exception:  # noqa: BLE001 -- unreadable: the caller's generic message applies
+        return
+    zero = (state.get("ds_config") or {}).get("zero_optimization") if isinstance(state, dict) else None
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else 0
+    if isinstance(state, dict) and state.get("optimizer") is not None and state.get("param_shapes") is None \
+            and stage == 0:
+        raise UnsupportedCheckpointError(
+            f"{tag_dir} is a DeepSpeed checkpoint without ZeRO (zero_optimization.stage 0): its weights are whole "
+            f"in {path.name} (key 'module', in the training dtype), which zckpt does not convert yet (DeepSpeed's "
+            "zero_to_fp32 cannot read it either)")
 
 
 def _partition_count(osd: dict[str, Any], path: Path) -> int:
