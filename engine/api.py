@@ -150,6 +150,7 @@ class Engine(nn.Module):
         trainable_ids = {id(p) for p in trainable}
         unique = list(dict.fromkeys(model.parameters()))  # dedup tied, keep order
         self.frozen = [p for p in unique if id(p) not in trainable_ids]
+        self.frozen_partitioned = 0  # how many of self.frozen (the first ones) the stage-3 manager partitions
         canonical, self.aliases = _names(model)
         self.trainable = trainable
         if self.stage < 3:
@@ -166,8 +167,17 @@ class Engine(nn.Module):
             _broadcast_flat(self.frozen)
             self.managed = trainable
         else:
-            managed = trainable + self.frozen
-            group_of = group_of + [len(groups)] * len(self.frozen)
+            # floating frozen params are partitioned (compute dtype); integer ones stay whole on every rank, in
+            # their dtype (a bf16 partition would round 301 to 300), after the partitioned ones in ``self.frozen``
+            whole = [p for p in self.frozen if not p.is_floating_point()]
+            self.frozen = [p for p in self.frozen if p.is_floating_point()] + whole
+            self.frozen_partitioned = len(self.frozen) - len(whole)
+            materialize(whole)
+            for p in whole:
+                p.data = p.data.to(self.device)
+            _broadcast_flat(whole)
+            managed = trainable + self.frozen[:self.frozen_partitioned]
+            group_of = group_of + [len(groups)] * self.frozen_partitioned
             units = _stage3_units(model, managed, group_of)
             self.table = build_partition([_numel(p) for p in managed], group_of, units, self.ctx.world_size,
                                          align=ALIGN)

@@ -132,6 +132,13 @@ def _validate_save(engine, save_dir: Path, tag: str, client_state) -> None:
         raise CheckpointError(problem)
 
 
+def frozen_value(engine, k: int) -> torch.Tensor:
+    """Frozen parameter ``k``'s full value. Collective for the ones stage 3 partitions (one all-gather)."""
+    if k < engine.frozen_partitioned:
+        return engine.mgr.full_param(len(engine.trainable) + k)
+    return engine.frozen[k].data
+
+
 def _rank_tensors(engine) -> tuple[dict, dict]:
     """This rank's (weights, optimizer) tensors. Collective: stage 3 gathers frozen params (all ranks)."""
     rank, write_partition = comm.rank(), engine.stage > 0 or comm.rank() == 0
@@ -139,8 +146,8 @@ def _rank_tensors(engine) -> tuple[dict, dict]:
     if write_partition:
         weights.update(engine.optimizer.master_tensors())
         optim.update(engine.optimizer.state_tensors())
-    for name, index in zip(engine.frozen_names, range(len(engine.trainable), len(engine.trainable) + len(engine.frozen))):
-        value = engine.mgr.full_param(index) if engine.stage == 3 else engine.frozen[index - len(engine.trainable)].data
+    for k, name in enumerate(engine.frozen_names):
+        value = frozen_value(engine, k)
         if rank == 0:
             weights[f"frozen.{name}"] = value
     if rank == 0:
@@ -323,7 +330,7 @@ def _restore_frozen_and_buffers(engine, rank0_weights: dict) -> None:
     n_train = len(engine.trainable)
     for k, (name, p) in enumerate(zip(engine.frozen_names, engine.frozen)):
         value = rank0_weights[f"frozen.{name}"]
-        if engine.stage == 3:
+        if k < engine.frozen_partitioned:
             with engine.mgr.gathered([n_train + k], modifier_rank=0):
                 p.data.copy_(value.reshape(p.data.shape))
         else:
@@ -443,9 +450,8 @@ def gather_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
             src = fulls[f.group] if engine.stage == 0 else fulls[f.group][f.rank]
             flat[f.dest: f.dest + f.numel] = src[f.partition_offset: f.partition_offset + f.numel]
         out[name] = flat.view(_shape(p))
-    n_train = len(engine.trainable)
-    for k, (name, p) in enumerate(zip(engine.frozen_names, engine.frozen)):
-        out[name] = (engine.mgr.full_param(n_train + k) if engine.stage == 3 else p.data).detach().cpu().clone()
+    for k, name in enumerate(engine.frozen_names):
+        out[name] = frozen_value(engine, k).detach().cpu().clone()
     for name, buf in _named_buffers(engine.module):
         out[name] = buf.detach().cpu().clone()
     return out
