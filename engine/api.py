@@ -161,7 +161,9 @@ class Engine(nn.Module):
             self.table = build_partition([p.numel() for p in trainable], group_of, units, ws, align=ALIGN)
             self.mgr = FlatParamManager(
                 trainable, self.table, stage=self.stage, device=self.device, compute_dtype=self.compute_dtype,
-                reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device)
+                reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
+                overlap_comm=bool(self.config.zero.overlap_comm),
+                reduce_bucket_size=int(self.config.zero.reduce_bucket_size))
             for p in self.frozen:
                 p.data = p.data.to(self.device, self.compute_dtype if p.is_floating_point() else p.dtype)
             _broadcast_flat(self.frozen)

@@ -104,6 +104,13 @@ def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
     return tensor
 
 
+def all_reduce_async(tensor: torch.Tensor) -> "Pending":
+    """In-place sum all-reduce issued asynchronously: wait on the returned :class:`Pending` before reading."""
+    if world_size() == 1:
+        return Pending()
+    return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+
+
 class Pending:
     """An in-flight collective (or an already finished one: world of one, ``async_op=False``).
 

@@ -41,6 +41,8 @@ gradient partition that is zeroed after each step and has every piece added into
 
 from __future__ import annotations
 
+from collections import deque
+
 import torch
 
 from engine import comm
@@ -119,10 +121,16 @@ class FlatParamManager:
     """Owns parameter storage, gradient reduction and the post-step all-gather for stages 0, 1 and 2."""
 
     def __init__(self, params: list[torch.nn.Parameter], table: PartitionTable, *, stage: int, device: torch.device,
-                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, master_device: torch.device):
+                 compute_dtype: torch.dtype, reduce_dtype: torch.dtype, master_device: torch.device,
+                 overlap_comm: bool = False, reduce_bucket_size: int = 500_000_000):
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatParamManager handles stages 0-2, got {stage}")
         self.params, self.table, self.stage = params, table, stage
+        # overlap_comm: collectives are issued asynchronously and finished oldest first (the same adds in the same
+        # order, so results are bit-identical) once more than reduce_bucket_size elements are in flight
+        self.overlap_comm, self.reduce_bucket_size = overlap_comm, max(int(reduce_bucket_size), 1)
+        self._inflight: deque = deque()  # (Pending, unit, piece, direct slice or None, packed input kept alive)
+        self._inflight_numel = 0
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.master_device = master_device
         self.shard_rank = comm.rank() if table.world_size > 1 else 0
@@ -163,24 +171,50 @@ class FlatParamManager:
     @torch.no_grad()
     def _reduce_unit(self, unit: Unit) -> None:
         """One collective for the unit: all-reduce (stage 0) or reduce-scatter (stages 1/2) of its packed gradients,
-        this rank's piece into the group's :class:`GradStore`."""
+        this rank's piece into the group's :class:`GradStore` (asynchronously with ``overlap_comm``)."""
         store = self.stores[unit.group]
+        # A unit's second piece in a 16-bit store widens it to fp32 (acc = 0 + low, GradStore.add): every piece in
+        # flight must have landed in ``low`` before, and none may be issued into ``low`` until it has happened.
+        widens = store.acc is None and unit.index in store.written
+        if widens:
+            self.finish_reductions()
+        asynchronous = self.overlap_comm and not widens
         direct = store.direct_slice(unit, self.device)
         if self.stage == 0:  # the "partition" is the whole unit: pack into the store and all-reduce there
             flat = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
                                                                  device=self.device)
             self._pack(unit, flat)
-            comm.all_reduce_(flat)
             piece = flat
+            if asynchronous:
+                handle = comm.all_reduce_async(flat)
+            else:
+                handle = None
+                comm.all_reduce_(flat)
         else:
             flat = torch.empty(unit.padded_numel(self.table.world_size), dtype=self.reduce_dtype, device=self.device)
             self._pack(unit, flat)
             piece = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
                                                                   device=self.device)
-            comm.reduce_scatter_(piece, flat)
-            del flat
+            handle = comm.reduce_scatter_(piece, flat, async_op=asynchronous)
+        self._inflight.append((handle, unit, piece, direct, flat))
+        self._inflight_numel += flat.numel()
+        if handle is None:
+            self.finish_reductions()
+        while len(self._inflight) > 1 and self._inflight_numel > self.reduce_bucket_size:
+            self._finish_oldest()
+
+    def _finish_oldest(self) -> None:
+        handle, unit, piece, direct, flat = self._inflight.popleft()
+        if handle is not None:
+            handle.wait()
         if direct is None:
-            store.add(unit, piece)
+            self.stores[unit.group].add(unit, piece)
+        self._inflight_numel -= flat.numel()
+
+    def finish_reductions(self) -> None:
+        """Wait for every reduction in flight and store its piece, oldest first."""
+        while self._inflight:
+            self._finish_oldest()
 
     # -- stage 2 hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, index: int):
@@ -207,6 +241,7 @@ class FlatParamManager:
                 if not done:
                     self._reduce_stage2_unit(unit_id)
             self._reduced = [False] * len(self.table.units)
+            self.finish_reductions()
             if not boundary:
                 for store in self.stores:
                     store.widen()
@@ -218,14 +253,17 @@ class FlatParamManager:
             return
         for unit in self.table.units:
             self._reduce_unit(unit)
+        self.finish_reductions()
 
     def grad_partitions(self) -> list[torch.Tensor]:
         """This window's flat fp32 gradient partitions, one per group (allocated now when the store is 16-bit);
         the optimizer may scale them in place. Released by :meth:`zero_grads`."""
+        self.finish_reductions()
         return [store.fp32() for store in self.stores]
 
     def zero_grads(self) -> None:
         """End the window: drop the gradient stores and any ``param.grad`` (their memory is freed)."""
+        self.finish_reductions()
         self.stores = self._new_stores()
         for p in self.params:
             p.grad = None

@@ -32,7 +32,7 @@ def run(impl: str, stage: int, args, out: Path) -> float:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(args.nproc), "--master_port",
            str(_port()), str(SCRIPT), "--impl", impl, "--stage", str(stage), "--out", str(out), "--steps",
            str(args.steps), "--size", args.size, "--dtype", args.dtype, "--micro", str(args.micro), "--seq",
-           str(args.seq), "--no-weights"]
+           str(args.seq), "--no-weights"] + (["--zero-json", args.zero_json] if args.zero_json else [])
     env = {**os.environ, "OMP_NUM_THREADS": str(args.threads)}
     proc = subprocess.run(cmd, capture_output=True, text=True, env=env)
     if proc.returncode != 0:
@@ -51,6 +51,8 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=64)
     ap.add_argument("--nproc", type=int, default=2)
     ap.add_argument("--threads", type=int, default=1, help="OMP threads per rank")
+    ap.add_argument("--zero-json", default=None,
+                    help='extra zero_optimization keys for both, e.g. \'{"overlap_comm": true, "reduce_bucket_size": 500000}\'')
     args = ap.parse_args()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

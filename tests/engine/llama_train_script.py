@@ -25,12 +25,12 @@ SIZES = {
 }
 
 
-def config(stage: int, dtype: str, micro: int, clip: float) -> dict:
+def config(stage: int, dtype: str, micro: int, clip: float, zero_extra: dict | None = None) -> dict:
     cfg = {
         "train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": clip,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "weight_decay": 0.01, "torch_adam": True}},
         "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0,
-                              "stage3_gather_16bit_weights_on_model_save": True},
+                              "stage3_gather_16bit_weights_on_model_save": True, **(zero_extra or {})},
         "steps_per_print": 10**6, "wall_clock_breakdown": False,
     }
     if dtype == "bf16":
@@ -79,6 +79,7 @@ def main() -> None:
     ap.add_argument("--seq", type=int, default=16)
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--no-weights", action="store_true")
+    ap.add_argument("--zero-json", default=None, help="extra zero_optimization keys, as JSON")
     args = ap.parse_args()
 
     import torch
@@ -93,7 +94,8 @@ def main() -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     model, vocab = build(args)
     eng, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(),
-                                  config=config(args.stage, args.dtype, args.micro, args.clip))
+                                  config=config(args.stage, args.dtype, args.micro, args.clip,
+                                                json.loads(args.zero_json) if args.zero_json else None))
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1234)
     losses, times = [], []

@@ -271,6 +271,16 @@ EXACT = dict([
            extra_zero={"offload_optimizer": {"device": "cpu"}}),
     _exact("s1_fp16_overflow", 1, dtype="fp16", gas=1, communication_data_type="fp16"),
     _exact("s2_fp16_overflow", 2, dtype="fp16", gas=1, communication_data_type="fp16"),
+    # overlap_comm: asynchronous collectives, finished oldest first (bucket 40 elements: many in flight, many waits)
+    *[_exact(f"s{s}_bf16_bf16comm_overlap", s, dtype="bf16", gas=1, communication_data_type="bf16",
+             extra_zero={"overlap_comm": True}) for s in (0, 1, 2)],
+    _exact("s2_bf16_gas2_overlap", 2, dtype="bf16", gas=2, communication_data_type="bf16",
+           extra_zero={"overlap_comm": True}),
+    _exact("s2_bf16_fp32comm_overlap", 2, dtype="bf16", gas=1, extra_zero={"overlap_comm": True}),
+    _exact("s2_bf16_offload_overlap", 2, dtype="bf16", gas=1, communication_data_type="bf16",
+           extra_zero={"overlap_comm": True, "offload_optimizer": {"device": "cpu"}}),
+    _exact("s2_fp16_overflow_overlap", 2, dtype="fp16", gas=1, communication_data_type="fp16",
+           extra_zero={"overlap_comm": True}),
 ])
 
 
