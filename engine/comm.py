@@ -97,18 +97,15 @@ def barrier() -> None:
 
 
 @torch.no_grad()
-def all_reduce_(tensor: torch.Tensor, op: str = "sum") -> torch.Tensor:
-    """In-place all-reduce (``op`` in sum/max/min) of ``tensor``; a no-op in a world of one."""
+def all_reduce_(tensor: torch.Tensor, op: str = "sum", async_op: bool = False):
+    """In-place all-reduce (``op`` in sum/max/min) of ``tensor``; a no-op in a world of one.
+
+    With ``async_op`` returns a :class:`Pending` to wait on before reading ``tensor``."""
+    work = None
     if world_size() > 1:
-        dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX, "min": dist.ReduceOp.MIN}[op])
-    return tensor
-
-
-def all_reduce_async(tensor: torch.Tensor) -> "Pending":
-    """In-place sum all-reduce issued asynchronously: wait on the returned :class:`Pending` before reading."""
-    if world_size() == 1:
-        return Pending()
-    return Pending(dist.all_reduce(tensor, op=dist.ReduceOp.SUM, async_op=True))
+        work = dist.all_reduce(tensor, op={"sum": dist.ReduceOp.SUM, "max": dist.ReduceOp.MAX,
+                                           "min": dist.ReduceOp.MIN}[op], async_op=async_op)
+    return Pending(work) if async_op else None
 
 
 class Pending:

@@ -165,9 +165,6 @@ class FlatParamManager:
         return full
 
     # -- reduction of one unit ----------------------------------------------------------------------------------
-    def _pack(self, unit: Unit, out: torch.Tensor) -> None:
-        pack_unit_grads(unit, self.params, out)
-
     @torch.no_grad()
     def _reduce_unit(self, unit: Unit) -> None:
         """One collective for the unit: all-reduce (stage 0) or reduce-scatter (stages 1/2) of its packed gradients,
@@ -183,16 +180,12 @@ class FlatParamManager:
         if self.stage == 0:  # the "partition" is the whole unit: pack into the store and all-reduce there
             flat = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
                                                                  device=self.device)
-            self._pack(unit, flat)
+            pack_unit_grads(unit, self.params, flat)
             piece = flat
-            if asynchronous:
-                handle = comm.all_reduce_async(flat)
-            else:
-                handle = None
-                comm.all_reduce_(flat)
+            handle = comm.all_reduce_(flat, async_op=asynchronous)
         else:
             flat = torch.empty(unit.padded_numel(self.table.world_size), dtype=self.reduce_dtype, device=self.device)
-            self._pack(unit, flat)
+            pack_unit_grads(unit, self.params, flat)
             piece = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
                                                                   device=self.device)
             handle = comm.reduce_scatter_(piece, flat, async_op=asynchronous)

@@ -206,58 +206,11 @@ ZERO3_NVME_AUTO = """
 }
 """
 
-# docs/source/en/main_classes/deepspeed.md, "Configuration": the same ZeRO-2 setup with a trailing comma (not JSON;
-# DeepSpeed reads it with hjson)
-ZERO2_TRAILING_COMMA = """
-{
-    "fp16": {
-        "enabled": "auto",
-        "loss_scale": 0,
-        "loss_scale_window": 1000,
-        "initial_scale_power": 16,
-        "hysteresis": 2,
-        "min_loss_scale": 1
-    },
-
-    "optimizer": {
-        "type": "AdamW",
-        "params": {
-            "lr": "auto",
-            "betas": "auto",
-            "eps": "auto",
-            "weight_decay": "auto"
-        }
-    },
-
-    "scheduler": {
-        "type": "WarmupLR",
-        "params": {
-            "warmup_min_lr": "auto",
-            "warmup_max_lr": "auto",
-            "warmup_num_steps": "auto"
-        }
-    },
-
-    "zero_optimization": {
-        "stage": 2,
-        "offload_optimizer": {
-            "device": "cpu",
-            "pin_memory": true
-        },
-        "allgather_partitions": true,
-        "allgather_bucket_size": 2e8,
-        "overlap_comm": true,
-        "reduce_scatter": true,
-        "reduce_bucket_size": 2e8,
-        "contiguous_gradients": true
-    },
-
-    "gradient_accumulation_steps": "auto",
-    "gradient_clipping": "auto",
-    "train_batch_size": "auto",
-    "train_micro_batch_size_per_gpu": "auto",
-}
-"""
+# docs/source/en/main_classes/deepspeed.md, "Configuration": the ZeRO-2 setup above without steps_per_print and
+# wall_clock_breakdown, ending in a trailing comma (not JSON; DeepSpeed reads it with hjson)
+ZERO2_TRAILING_COMMA = ZERO2_AUTO.replace('    "steps_per_print": 2000,\n', "").replace(
+    '"train_micro_batch_size_per_gpu": "auto",\n    "wall_clock_breakdown": false\n',
+    '"train_micro_batch_size_per_gpu": "auto",\n')
 
 HF_EXAMPLES = {"zero2": ZERO2_AUTO, "zero3": ZERO3_AUTO, "zero3_nvme": ZERO3_NVME_AUTO,
                "zero2_trailing_comma": ZERO2_TRAILING_COMMA}

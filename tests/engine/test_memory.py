@@ -94,7 +94,8 @@ def legacy_manager_class():
                         view.copy_(p.grad.reshape(-1))
                 send = gbuf if gbuf.dtype == self.reduce_dtype else gbuf.to(self.reduce_dtype)
                 if self.stage == 0:
-                    piece = comm.all_reduce_(send)
+                    comm.all_reduce_(send)
+                    piece = send
                 else:
                     piece = torch.empty(unit.slice_numel, dtype=self.reduce_dtype, device=self.device)
                     comm.reduce_scatter_(piece, send) if ws > 1 else piece.copy_(send)
@@ -315,7 +316,9 @@ def worker(rank: int, world_size: int, out: Path) -> None:
     exact = {}
     for name, cfg in EXACT.items():
         overflow = "overflow" in name
+        issued = engine.comm.Pending.issued
         new_state, new_meta = _exact_run(engine, cfg, rank, world_size, overflow)
+        issued = engine.comm.Pending.issued - issued  # asynchronous collectives (overlap_comm) of the new path
         engine.api.FlatParamManager = legacy
         try:
             old_state, old_meta = _exact_run(engine, cfg, rank, world_size, overflow)
@@ -323,7 +326,7 @@ def worker(rank: int, world_size: int, out: Path) -> None:
             engine.api.FlatParamManager = current
         exact[name] = {"same_weights": set(new_state) == set(old_state)
                        and all(_bits(new_state[k]) == _bits(old_state[k]) for k in new_state),
-                       "new": new_meta, "old": old_meta}
+                       "new": new_meta, "old": old_meta, "async_issued": issued}
     (out / f"rank{rank}.json").write_text(json.dumps({"memory": memory, "exact": exact}))
 
 
@@ -379,3 +382,5 @@ def test_bit_identical_to_persistent_fp32_gradients(results, name):
         assert res["new"] == res["old"], name  # losses, loss scale and skipped steps, exactly
     if "overflow" in name:
         assert results[0]["exact"][name]["new"]["skipped"] == 1
+    for r in results:  # overlap_comm really ran asynchronously; without it, nothing did
+        assert (r["exact"][name]["async_issued"] > 0) == ("overlap" in name), (name, r["exact"][name]["async_issued"])
