@@ -9,10 +9,27 @@
         ...
 
 See docs/engine.md for the design and the DeepSpeed compatibility table.
+
+Importing ``engine`` is cheap: the API (torch, torch.distributed) loads on first use of ``initialize``, ``Engine``,
+``zero`` or ``init_distributed``, so the pure modules -- :mod:`engine.partition` (the layout) and
+:mod:`engine.checkpoint_format` (the checkpoint format) -- can be imported by zckpt without them.
 """
 
-from engine import zero
-from engine.api import Engine, initialize
-from engine.comm import init_distributed
+from __future__ import annotations
+
+from typing import Any
+
+_LAZY = {"initialize": "engine.api", "Engine": "engine.api", "init_distributed": "engine.comm"}
+
+
+def __getattr__(name: str) -> Any:
+    import importlib
+
+    if name == "zero":
+        return importlib.import_module("engine.zero")
+    if name in _LAZY:
+        return getattr(importlib.import_module(_LAZY[name]), name)
+    raise AttributeError(f"module 'engine' has no attribute {name!r}")
+
 
 __all__ = ["initialize", "Engine", "zero", "init_distributed"]

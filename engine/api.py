@@ -32,17 +32,13 @@ from engine import comm
 from engine.config import EngineConfig, load_config, model_hidden_size
 from engine.offload import resolve_placement
 from engine.optimizer import HPARAM_KEYS, ShardedOptimizer
-from engine.partition import bucket_params, build_partition
+from engine.partition import engine_layout, engine_units
 from engine.precision import make_loss_scaler
 from engine.scheduler import build_scheduler
 from engine.zero.flat import FlatParamManager
 from engine.zero.init import materialize
 from engine.zero.prefetch import Stage3Options
 from engine.zero.stage3 import PartitionedParamManager
-
-#: Slices are padded to a multiple of this many elements (32 bytes in fp32): aligned collectives on GPUs.
-ALIGN = 8
-
 
 # -- config ------------------------------------------------------------------------------------------------------
 def load_engine_config(config, training_args=None, world_size: int = 1, model: nn.Module | None = None,
@@ -98,21 +94,6 @@ def _names(model: nn.Module) -> tuple[dict[int, str], dict[str, str]]:
     return canonical, aliases
 
 
-def _stage3_units(model: nn.Module, params: list, groups: list[int]) -> list[list[int]]:
-    """One unit per (module, group): the module's direct parameters, the first module to register a param owns it."""
-    index = {id(p): i for i, p in enumerate(params)}
-    taken, units = set(), []
-    for module in model.modules():
-        per_group: dict[int, list[int]] = {}
-        for p in module.parameters(recurse=False):
-            i = index.get(id(p))
-            if i is not None and i not in taken:
-                taken.add(i)
-                per_group.setdefault(groups[i], []).append(i)
-        units.extend(per_group[g] for g in sorted(per_group))
-    return units
-
-
 class Engine(nn.Module):
     """A ZeRO stage 0-3 data-parallel training engine with DeepSpeed's engine API."""
 
@@ -155,10 +136,10 @@ class Engine(nn.Module):
         self.trainable = trainable
         if self.stage < 3:
             materialize(unique)
-            units = bucket_params([p.numel() for p in trainable], group_of,
-                                  max(int(self.config.zero.reduce_bucket_size), 1))
-            ws = self.ctx.world_size if self.stage > 0 else 1
-            self.table = build_partition([p.numel() for p in trainable], group_of, units, ws, align=ALIGN)
+            numels = [p.numel() for p in trainable]
+            units = engine_units(self.stage, numels, group_of, [canonical[id(p)] for p in trainable],
+                                 reduce_bucket_size=int(self.config.zero.reduce_bucket_size))
+            self.table = engine_layout(self.stage, self.ctx.world_size, numels, group_of, units)
             self.mgr = FlatParamManager(
                 trainable, self.table, stage=self.stage, device=self.device, compute_dtype=self.compute_dtype,
                 reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
@@ -180,9 +161,12 @@ class Engine(nn.Module):
             _broadcast_flat(whole)
             managed = trainable + self.frozen[:self.frozen_partitioned]
             group_of = group_of + [len(groups)] * self.frozen_partitioned
-            units = _stage3_units(model, managed, group_of)
-            self.table = build_partition([_numel(p) for p in managed], group_of, units, self.ctx.world_size,
-                                         align=ALIGN)
+            numels = [_numel(p) for p in managed]
+            model_names = [name for name, _ in model.named_parameters(remove_duplicate=False)]
+            units = engine_units(3, numels, group_of, [canonical[id(p)] for p in managed],
+                                 reduce_bucket_size=int(self.config.zero.reduce_bucket_size),
+                                 model_names=model_names)
+            self.table = engine_layout(3, self.ctx.world_size, numels, group_of, units)
             self.mgr = PartitionedParamManager(
                 managed, self.table, num_trainable_groups=len(groups), device=self.device,
                 param_device=self.placement.param_device, compute_dtype=self.compute_dtype,

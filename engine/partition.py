@@ -180,3 +180,45 @@ def build_partition(
     if missing:
         raise ValueError(f"parameters {missing[:5]} are in no unit")
     return PartitionTable(world_size, tuple(numels), tuple(out_units), tuple(group_offset), tuple(param_unit))
+
+
+# -- the engine's layout, as a pure function of names, sizes and groups ---------------------------------------------
+#: Slices are padded to a multiple of this many elements (32 bytes in fp32): aligned collectives on GPUs.
+ALIGN = 8
+
+
+def stage3_units(model_names: Sequence[str], managed: Sequence[str], groups: Sequence[int]) -> list[list[int]]:
+    """Stage-3 units: one per (module, group), holding the module's direct parameters.
+
+    ``managed[i]`` is the canonical name of partitioned parameter ``i`` and ``groups[i]`` its group; ``model_names``
+    lists parameter names in the model's registration order (``named_parameters(remove_duplicate=False)``; pass
+    ``managed`` itself when the model is not at hand). A parameter's module is its name up to the last dot; modules
+    come in order of first appearance in ``model_names`` (= ``model.modules()`` order), a unit's parameters in
+    registration order, a module's groups in ascending order. A tied parameter belongs to the module that
+    registered it first (its canonical name).
+    """
+    index = {name: i for i, name in enumerate(managed)}
+    per_module: dict[str, dict[int, list[int]]] = {}
+    taken: set[int] = set()
+    for name in list(model_names) + list(managed):
+        i = index.get(name)
+        if i is None or i in taken:
+            continue
+        taken.add(i)
+        per_module.setdefault(name.rpartition(".")[0], {}).setdefault(groups[i], []).append(i)
+    return [per_group[g] for per_group in per_module.values() for g in sorted(per_group)]
+
+
+def engine_units(stage: int, numels: Sequence[int], groups: Sequence[int], names: Sequence[str], *,
+                 reduce_bucket_size: int, model_names: Sequence[str] | None = None) -> list[list[int]]:
+    """The units the engine forms at ``stage``: reduce buckets (stages 0-2) or per-module units (stage 3).
+    Neither depends on the world size, so a checkpoint's units carry over to any other world size."""
+    if stage < 3:
+        return bucket_params(numels, groups, max(int(reduce_bucket_size), 1))
+    return stage3_units(model_names if model_names is not None else names, names, groups)
+
+
+def engine_layout(stage: int, world_size: int, numels: Sequence[int], groups: Sequence[int],
+                  units: Sequence[Sequence[int]]) -> PartitionTable:
+    """The partition table the engine uses at ``stage`` for ``world_size`` ranks (stage 0 keeps one whole copy)."""
+    return build_partition(numels, groups, units, world_size if stage > 0 else 1, align=ALIGN)
