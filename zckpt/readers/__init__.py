@@ -1,30 +1,77 @@
-"""Readers: one module per source format, each turning a located tag folder into a CheckpointPlan."""
+"""Readers: one module per source format, each turning a located tag folder into a CheckpointPlan.
+
+A reader is a small object with a ``name``, a one-line ``marker`` (what its tag folders hold, for error messages),
+``claims(tag_dir)`` -- "is this folder mine?", cheap, no tensor I/O -- and ``read(located)`` returning the plan.
+:data:`READERS` is the registry: finding a folder's format is a loop over it, and adding a format is adding a module
+and one line here.
+"""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
+from typing import Protocol
 
-from ..errors import SourceNotFoundError
+from ..errors import CheckpointCorruptError, SourceNotFoundError
 from ..plan import CheckpointPlan
 from .locate import Located, locate
 
 
-def read_plan(located: Located) -> CheckpointPlan:
-    """Dispatch on the tag folder's contents."""
-    tag_dir = located.tag_dir
-    if (tag_dir / "manifest.json").is_file():
+class Reader(Protocol):
+    name: str
+    marker: str
+
+    def claims(self, tag_dir: Path) -> bool: ...
+
+    def read(self, located: Located) -> CheckpointPlan: ...
+
+
+class EngineNativeReader:
+    name, marker = "engine", "manifest.json"
+
+    def claims(self, tag_dir: Path) -> bool:
+        return (tag_dir / "manifest.json").is_file()
+
+    def read(self, located: Located) -> CheckpointPlan:
         from .engine_native import read_engine_plan
 
-        from dataclasses import replace
-
-        plan = read_engine_plan(tag_dir)
+        plan = read_engine_plan(located.tag_dir)
         model_dir = str(located.model_dir) if located.model_dir else plan.model_dir
         return replace(plan, source=str(located.src), tag=located.tag, model_dir=model_dir)
-    from .deepspeed import is_deepspeed_tag_dir, read_deepspeed_plan
 
-    if is_deepspeed_tag_dir(tag_dir):
+
+class DeepSpeedReader:
+    name, marker = "deepspeed", "*_model_states.pt"
+
+    def claims(self, tag_dir: Path) -> bool:
+        return any(tag_dir.glob("*_model_states.pt")) or any(tag_dir.glob("*_optim_states.pt"))
+
+    def read(self, located: Located) -> CheckpointPlan:
+        from .deepspeed import read_deepspeed_plan
+
         return read_deepspeed_plan(located)
-    raise SourceNotFoundError(f"{tag_dir} holds no checkpoint format zckpt knows")
+
+
+READERS: tuple[Reader, ...] = (EngineNativeReader(), DeepSpeedReader())
+
+
+def reader_for(tag_dir: Path) -> Reader | None:
+    """The first reader that claims ``tag_dir`` (None when no format does)."""
+    if not tag_dir.is_dir():
+        return None
+    return next((r for r in READERS if r.claims(tag_dir)), None)
+
+
+def markers() -> str:
+    return " or ".join(r.marker for r in READERS)
+
+
+def read_plan(located: Located) -> CheckpointPlan:
+    """The plan of a located tag folder, by whichever reader claims it."""
+    reader = reader_for(located.tag_dir)
+    if reader is None:
+        raise SourceNotFoundError(f"{located.tag_dir} holds no checkpoint format zckpt knows (no {markers()})")
+    return reader.read(located)
 
 
 def open_plan(src: str | Path, tag: str | None = None, *, exclude_frozen: bool = False) -> CheckpointPlan:
@@ -34,10 +81,8 @@ def open_plan(src: str | Path, tag: str | None = None, *, exclude_frozen: bool =
         try:
             tensor.validate()
         except ValueError as exc:
-            from ..errors import CheckpointCorruptError
-
             raise CheckpointCorruptError(f"{plan.source}: {exc}") from None
     return plan.without_frozen() if exclude_frozen else plan
 
 
-__all__ = ["Located", "locate", "open_plan", "read_plan"]
+__all__ = ["READERS", "Located", "Reader", "locate", "open_plan", "read_plan", "reader_for"]

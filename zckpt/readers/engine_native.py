@@ -16,24 +16,17 @@ import json
 import struct
 from pathlib import Path
 
+from engine import checkpoint_format as spec
 from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
-from zckpt.plan import DTYPE_SIZES, CheckpointPlan, Fragment, SourceFile, TensorPlan
+from zckpt.plan import (DTYPE_SIZES, DTYPES_BY_SAFETENSORS_CODE, CheckpointPlan, Fragment, OptimizerGroup, SourceFile,
+                        StatePlan, TensorPlan, TrainingState)
 
-FORMAT, FORMAT_VERSION = "zckpt-engine", 1
-_ST_DTYPES = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "I64": "int64",
-              "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8", "BOOL": "bool"}
 _MAX_HEADER = 100 * 1024 * 1024
 
 
 def is_engine_checkpoint(tag_dir: Path) -> bool:
     """True when ``tag_dir`` holds an engine manifest (committed or not)."""
-    path = Path(tag_dir) / "manifest.json"
-    if not path.is_file():
-        return False
-    try:
-        return json.loads(path.read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+    return spec.is_ours(Path(tag_dir))
 
 
 def _header(path: Path, size: int) -> tuple[int, dict]:
@@ -56,7 +49,7 @@ def _header(path: Path, size: int) -> tuple[int, dict]:
         if key == "__metadata__":
             continue
         begin, end = info["data_offsets"]
-        dtype = _ST_DTYPES.get(info["dtype"])
+        dtype = DTYPES_BY_SAFETENSORS_CODE.get(info["dtype"])
         numel = 1
         for d in info["shape"]:
             numel *= d
@@ -72,25 +65,20 @@ def _header(path: Path, size: int) -> tuple[int, dict]:
     return data_start, tensors
 
 
-def _read_manifest(tag_dir: Path) -> dict:
-    if not (tag_dir / "COMMITTED").is_file():
-        raise CheckpointIncompleteError(f"{tag_dir}: no COMMITTED marker, the save did not finish; "
-                                        f"use an earlier tag (see {tag_dir.parent / 'latest'})")
+def _read_manifest(tag_dir: Path) -> spec.Manifest:
     try:
-        manifest = json.loads((tag_dir / "manifest.json").read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointCorruptError(f"{tag_dir / 'manifest.json'} is unreadable ({exc}); use an earlier tag") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointCorruptError(f"{tag_dir / 'manifest.json'}: not a {FORMAT} v{FORMAT_VERSION} manifest; "
-                                     f"upgrade zckpt or check the path")
-    return manifest
+        return spec.read_manifest(tag_dir)
+    except spec.IncompleteError as exc:
+        raise CheckpointIncompleteError(str(exc)) from None
+    except spec.FormatError as exc:
+        raise CheckpointCorruptError(f"{exc}; upgrade zckpt or use an earlier tag") from None
 
 
 class _Files:
     """Lazily checked files of one checkpoint: existence, recorded size, parsed header."""
 
-    def __init__(self, tag_dir: Path, manifest: dict):
-        self.tag_dir, self.listed = tag_dir, manifest.get("files", {})
+    def __init__(self, tag_dir: Path, manifest: spec.Manifest):
+        self.tag_dir, self.listed = tag_dir, manifest.files
         self.headers: dict[str, tuple[int, dict]] = {}
 
     def check(self, fname: str) -> tuple[int, dict]:
@@ -102,8 +90,8 @@ class _Files:
             if not path.is_file():
                 raise CheckpointIncompleteError(f"{path} is missing; copy it back or use an earlier tag")
             size = path.stat().st_size
-            if size != meta["size"]:
-                raise CheckpointIncompleteError(f"{path} is {size} bytes, the manifest says {meta['size']}; the file "
+            if size != meta.size:
+                raise CheckpointIncompleteError(f"{path} is {size} bytes, the manifest says {meta.size}; the file "
                                                 f"is truncated or replaced, use an earlier tag")
             self.headers[fname] = _header(path, size)
         return self.headers[fname]
@@ -121,49 +109,90 @@ class _Files:
         return data_start + begin + offset * size
 
 
-def _tensor(files: _Files, entry: dict, kind: str) -> TensorPlan:
-    name, dtype = entry["name"], entry["dtype"]
-    if dtype not in DTYPE_SIZES:
-        raise CheckpointCorruptError(f"{files.tag_dir / 'manifest.json'}: {name} has unknown dtype {dtype!r}")
-    shape = tuple(entry["shape"])
-    if kind == "param":
-        frags = tuple(Fragment(str(files.tag_dir / f["file"]),
-                               files.byte_offset(f["file"], f["key"], f["offset"], f["numel"], dtype),
-                               f["numel"], f["dest"]) for f in entry["fragments"])
-    else:
-        numel = 1
-        for d in shape:
-            numel *= d
-        frags = (Fragment(str(files.tag_dir / entry["file"]),
-                          files.byte_offset(entry["file"], entry["key"], 0, numel, dtype), numel, 0),)
-    plan = TensorPlan(name, shape, dtype, frags, kind)
-    try:
-        plan.validate()
-    except ValueError as exc:
-        raise CheckpointCorruptError(f"{files.tag_dir / 'manifest.json'}: {exc}; use an earlier tag") from None
-    return plan
+def _fragments(files: _Files, frags, dtype: str) -> tuple[Fragment, ...]:
+    return tuple(Fragment(str(files.tag_dir / f.file), files.byte_offset(f.file, f.key, f.offset, f.numel, dtype),
+                          f.numel, f.dest) for f in frags)
+
+
+def _param(files: _Files, entry: spec.ParamEntry, manifest: spec.Manifest, with_state: bool) -> TensorPlan:
+    """A trainable parameter: fp32 master fragments, and the same fragments in the optim files for each state key
+    (``group{g}.<key>`` has the master partition's layout)."""
+    state = ()
+    if with_state:
+        state = tuple(StatePlan(key, "float32", _state_fragments(files, entry, key)) for key in manifest.state_keys)
+    return TensorPlan(entry.name, entry.shape, entry.dtype, _fragments(files, entry.fragments, entry.dtype), "param",
+                      entry.group, state)
+
+
+def _state_fragments(files: _Files, entry: spec.ParamEntry, key: str) -> tuple[Fragment, ...]:
+    out = []
+    for f in entry.fragments:
+        fname = spec.optim_file(f.rank)
+        out.append(Fragment(str(files.tag_dir / fname),
+                            files.byte_offset(fname, spec.state_key(entry.group, key), f.offset, f.numel, "float32"),
+                            f.numel, f.dest))
+    return tuple(out)
+
+
+def _whole(files: _Files, entry: spec.WholeEntry, kind: str) -> TensorPlan:
+    if entry.dtype not in DTYPE_SIZES:
+        raise CheckpointCorruptError(f"{files.tag_dir / spec.MANIFEST}: {entry.name} has unknown dtype "
+                                     f"{entry.dtype!r}")
+    numel = 1
+    for d in entry.shape:
+        numel *= d
+    frag = Fragment(str(files.tag_dir / entry.file), files.byte_offset(entry.file, entry.key, 0, numel, entry.dtype),
+                    numel, 0)
+    return TensorPlan(entry.name, entry.shape, entry.dtype, (frag,), kind)
+
+
+def _training(files: _Files, manifest: spec.Manifest, has_optim: bool) -> TrainingState:
+    groups = []
+    for g, group in enumerate(manifest.groups):
+        scalars = ()
+        fname = spec.optim_file(0)
+        if has_optim:
+            _, tensors = files.check(fname)
+            key = spec.state_key(g, "step")
+            if key in tensors:
+                dtype = tensors[key][0]
+                scalars = (TensorPlan("step", (), dtype, (Fragment(str(files.tag_dir / fname),
+                                                                   files.byte_offset(fname, key, 0, 1, dtype), 1, 0),)),)
+        groups.append(OptimizerGroup(g, dict(group.hparams), scalars))
+    counters = {"global_steps": manifest.global_steps, "global_samples": manifest.global_samples,
+                "micro_steps": manifest.micro_steps, "skipped_steps": manifest.skipped_steps}
+    return TrainingState(optimizer=manifest.optimizer, state_keys=manifest.state_keys if has_optim else (),
+                         groups=tuple(groups), scheduler=manifest.scheduler, loss_scaler=manifest.loss_scaler,
+                         counters=counters, client_state=dict(manifest.client_state), config=manifest.config)
 
 
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
-    """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``)."""
+    """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``): weights and training state."""
     tag_dir = Path(tag_dir)
     manifest = _read_manifest(tag_dir)
     files = _Files(tag_dir, manifest)
     for fname in files.listed:
         files.check(fname)
-    tensors = [_tensor(files, e, "param") for e in manifest["params"]]
-    tensors += [_tensor(files, e, "frozen") for e in manifest.get("frozen", [])]
-    tensors += [_tensor(files, e, "buffer") for e in manifest.get("buffers", []) if e.get("persistent", True)]
+    has_optim = any(meta.role == "optim" for meta in files.listed.values())
+    tensors = [_param(files, e, manifest, has_optim) for e in manifest.params]
+    tensors += [_whole(files, e, "frozen") for e in manifest.frozen]
+    tensors += [_whole(files, e, "buffer") for e in manifest.buffers if e.persistent]
+    for plan in tensors:
+        try:
+            plan.validate()
+        except ValueError as exc:
+            raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: {exc}; use an earlier tag") from None
     names = {t.name for t in tensors}
-    aliases = dict(manifest.get("aliases", {}))
-    for alias, canonical in aliases.items():
+    for alias, canonical in manifest.aliases.items():
         if canonical not in names:
-            raise CheckpointCorruptError(f"{tag_dir / 'manifest.json'}: alias {alias} -> {canonical}, which is not "
+            raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: alias {alias} -> {canonical}, which is not "
                                          f"stored; the manifest is damaged")
-    sources = tuple(SourceFile(str(tag_dir / f), meta.get("role", "unknown"), meta.get("rank"),
-                               (tag_dir / f).stat().st_size) for f, meta in sorted(files.listed.items()))
-    sources += (SourceFile(str(tag_dir / "manifest.json"), "manifest", None, (tag_dir / "manifest.json").stat().st_size),)
-    return CheckpointPlan(source=str(tag_dir), format="engine", stage=int(manifest["stage"]),
-                          world_size=int(manifest["world_size"]), train_dtype=manifest["compute_dtype"],
-                          tag=manifest.get("tag", tag_dir.name), step=manifest.get("global_steps"),
-                          tensors=tuple(tensors), aliases=aliases, files=sources, version=f"engine-v{FORMAT_VERSION}")
+    sources = tuple(SourceFile(str(tag_dir / f), meta.role, meta.rank, (tag_dir / f).stat().st_size)
+                    for f, meta in sorted(files.listed.items()))
+    sources += (SourceFile(str(tag_dir / spec.MANIFEST), "manifest", None, (tag_dir / spec.MANIFEST).stat().st_size),)
+    return CheckpointPlan(source=str(tag_dir), format="engine", stage=manifest.stage,
+                          world_size=manifest.world_size, train_dtype=manifest.compute_dtype,
+                          tag=manifest.tag or tag_dir.name, step=manifest.global_steps,
+                          tensors=tuple(tensors), aliases=dict(manifest.aliases), files=sources,
+                          version=f"engine-v{spec.FORMAT_VERSION}",
+                          training=_training(files, manifest, has_optim))

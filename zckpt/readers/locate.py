@@ -14,6 +14,8 @@ import re
 from dataclasses import dataclass
 from pathlib import Path
 
+from engine import checkpoint_format as spec
+
 from ..errors import CheckpointIncompleteError, InvalidArgumentError, SourceNotFoundError
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
@@ -29,12 +31,10 @@ class Located:
 
 
 def is_tag_dir(path: Path) -> bool:
-    """A folder holding one saved checkpoint (any supported format)."""
-    if not path.is_dir():
-        return False
-    if (path / "manifest.json").is_file():
-        return True
-    return any(path.glob("*_model_states.pt")) or any(path.glob("*_optim_states.pt"))
+    """A folder holding one saved checkpoint: some registered reader claims it."""
+    from . import reader_for
+
+    return reader_for(path) is not None
 
 
 def _model_dir(*candidates: Path) -> Path | None:
@@ -45,14 +45,16 @@ def _model_dir(*candidates: Path) -> Path | None:
 
 
 def read_latest(save_dir: Path) -> str:
-    """The tag named by ``save_dir/latest``, validated."""
-    latest = save_dir / "latest"
-    tag = latest.read_text(encoding="utf-8", errors="replace").strip()
-    if not tag:
-        raise CheckpointIncompleteError(
-            f"{latest} is empty (an interrupted save?); pass --tag with one of: {_list_tags(save_dir)}")
-    if "/" in tag or "\\" in tag or tag in {".", ".."}:
-        raise CheckpointIncompleteError(f"{latest} names an invalid tag {tag!r}; pass --tag explicitly")
+    """The tag named by ``save_dir/latest``, validated (the engine format's rules, which DeepSpeed's tags meet)."""
+    try:
+        tag = spec.read_latest(save_dir)
+    except spec.IncompleteError:
+        raise CheckpointIncompleteError(f"{save_dir / 'latest'} is empty (an interrupted save?); pass --tag with one "
+                                        f"of: {_list_tags(save_dir)}") from None
+    except spec.FormatError as exc:
+        raise CheckpointIncompleteError(f"{exc} (--tag)") from None
+    if tag is None:
+        raise SourceNotFoundError(f"{save_dir} has no 'latest' file; pass --tag with one of: {_list_tags(save_dir)}")
     return tag
 
 
@@ -75,7 +77,9 @@ def _locate_in_save_dir(save_dir: Path, tag: str | None, kind: str) -> Located:
         raise CheckpointIncompleteError(
             f"{origin} but {tag_dir} does not exist; pass --tag with one of: {_list_tags(save_dir)}")
     if not is_tag_dir(tag_dir):
-        raise CheckpointIncompleteError(f"{tag_dir} holds no checkpoint files (no *_model_states.pt or manifest.json)")
+        from . import markers
+
+        raise CheckpointIncompleteError(f"{tag_dir} holds no checkpoint files (no {markers()})")
     return Located(save_dir, tag_dir, tag, kind, _model_dir(save_dir))
 
 

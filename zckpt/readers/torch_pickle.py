@@ -21,7 +21,6 @@ import struct
 import zipfile
 from collections import OrderedDict
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsafePickleError, UnsupportedCheckpointError
@@ -299,10 +298,3 @@ def load_pickle_bytes_restricted(data: bytes, path: str = "<bytes>") -> Any:
     """Unpickle raw bytes with the same allow-list (used by tests and for legacy files)."""
     return _RestrictedUnpickler(data, path).load()
 
-
-def is_torch_archive(path: Path) -> bool:
-    try:
-        with open(path, "rb") as fh:
-            return fh.read(4) == b"PK\x03\x04"
-    except OSError:
-        return False
