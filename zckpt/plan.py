@@ -145,6 +145,9 @@ class TrainingState:
     client_state: dict = field(default_factory=dict)
     #: the run's training config as JSON (DeepSpeed's ds_config / the engine's resolved config), if recorded
     config: dict | None = None
+    #: the source's partition units (lists of trainable-parameter indices, in plan order), when it records them
+    #: (engine-native); a reshard to the same kind of layout keeps them
+    units: tuple[tuple[int, ...], ...] | None = None
 
     @property
     def has_optimizer_state(self) -> bool:

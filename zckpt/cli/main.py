@@ -15,8 +15,10 @@ import typer
 
 app = typer.Typer(
     name="zckpt",
-    help="ZeRO checkpoints made usable: inspect DeepSpeed / engine checkpoints and consolidate them into "
-         "Hugging Face safetensors.\n\nExample: zckpt consolidate output/checkpoint-500 model-bf16/",
+    help="ZeRO checkpoints made usable: inspect DeepSpeed / engine checkpoints, consolidate them into "
+         "Hugging Face safetensors, reshard them for another world size.\n\nExamples:\n\n\b\n"
+         "  zckpt consolidate output/checkpoint-500 model-bf16/\n  zckpt reshard output/checkpoint-500 ws8/ "
+         "--world-size 8",
     add_completion=False,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -73,6 +75,48 @@ def consolidate(
     print(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
     if result.copied:
         print(f"  copied: {', '.join(result.copied)}")
+
+
+@app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
+                    "  zckpt reshard out/checkpoint-500 resume-ws4/ --world-size 4 --stage 3\n"
+                    "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json")
+def reshard(
+    src: SrcArg,
+    out: Annotated[Path, typer.Argument(help="Output save dir (must not exist or be empty, unless --overwrite).",
+                                        show_default=False)],
+    world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of ranks that will resume from OUT.",
+                                            show_default=False)],
+    stage: Annotated[Optional[int], typer.Option("--stage", help="ZeRO stage of the resuming run (default: "
+                                                                 "--config's, else the source's).")] = None,
+    reduce_bucket_size: Annotated[Optional[int], typer.Option(
+        "--reduce-bucket-size", help="Stage 0-2 bucket size of the resuming run (default: --config's, else the "
+                                     "source's, else 5e8).")] = None,
+    config: Annotated[Optional[Path], typer.Option("--config", help="ds_config JSON of the run that will load OUT "
+                                                                    "(its zero_optimization stage and buckets).")]
+    = None,
+    tag: TagOpt = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Writer threads (default: by CPU count).")]
+    = None,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Lay a checkpoint's full training state out for another world size (and ZeRO stage): an engine checkpoint
+    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters)."""
+    from ..reshard import reshard as run
+
+    result = run(src, out, world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size,
+                 config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+        return
+    from ..report import human_bytes
+
+    print(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
+          f"{', '.join(result.state_keys)}; {human_bytes(result.bytes_written)} in {len(result.files)} file(s) "
+          f"[{result.seconds:.2f}s]")
+    print(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
+          f"{result.to_world_size}, ZeRO stage {result.from_stage} -> {result.to_stage}")
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt inspect ckpts/\n  zckpt inspect out/checkpoint-500 --json")

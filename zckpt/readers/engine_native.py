@@ -163,7 +163,8 @@ def _training(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Traini
                 "micro_steps": manifest.micro_steps, "skipped_steps": manifest.skipped_steps}
     return TrainingState(optimizer=manifest.optimizer, state_keys=manifest.state_keys if has_optim else (),
                          groups=tuple(groups), scheduler=manifest.scheduler, loss_scaler=manifest.loss_scaler,
-                         counters=counters, client_state=dict(manifest.client_state), config=manifest.config)
+                         counters=counters, client_state=dict(manifest.client_state), config=manifest.config,
+                         units=manifest.layout.units if manifest.layout is not None else None)
 
 
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:

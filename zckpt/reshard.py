@@ -1,0 +1,134 @@
+"""``zckpt reshard``: a checkpoint's full training state, laid out for another world size (and ZeRO stage).
+
+Reader -> plan -> :mod:`zckpt.writers.engine_native`. The output is an engine-native save dir (``OUT/<tag>/``,
+``OUT/latest``, config and tokenizer files copied) that ``engine.load_checkpoint`` resumes at the new world size
+with fp32 masters, every optimizer state tensor, scheduler, loss scaler and counters. Same rules as consolidate:
+everything validated before the first byte, written into a staging folder, fsynced, renamed into place.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+from .errors import InvalidArgumentError
+from .plan import CheckpointPlan
+from .readers import open_plan
+
+#: the engine's default ``zero_optimization.reduce_bucket_size`` (engine/config.py)
+DEFAULT_BUCKET = 500_000_000
+
+
+@dataclass
+class ReshardResult:
+    source: str
+    tag: str
+    out: str
+    source_format: str
+    from_world_size: int
+    to_world_size: int
+    from_stage: int
+    to_stage: int
+    reduce_bucket_size: int
+    parameters: int
+    state_keys: list[str]
+    files: list[str]
+    bytes_written: int
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def _config_zero(config: str | Path | None) -> dict:
+    if config is None:
+        return {}
+    path = Path(config)
+    try:
+        obj = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError) as exc:
+        raise InvalidArgumentError(f"--config {path}: not a readable JSON file ({exc})") from None
+    zero = obj.get("zero_optimization", {}) if isinstance(obj, dict) else None
+    if not isinstance(zero, dict):
+        raise InvalidArgumentError(f"--config {path}: zero_optimization should be an object")
+    return zero
+
+
+def _hidden_size(plan: CheckpointPlan) -> int | None:
+    if not plan.model_dir:
+        return None
+    try:
+        cfg = json.loads((Path(plan.model_dir) / "config.json").read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    for key in ("hidden_size", "d_model", "n_embd"):
+        if isinstance(cfg.get(key), int):
+            return cfg[key]
+    return None
+
+
+def resolve_target(plan: CheckpointPlan, world_size: int, stage: int | None, reduce_bucket_size: int | None,
+                   config: str | Path | None):
+    """The target layout: flags first, then ``--config``'s zero_optimization, then the source's own stage and
+    bucket size, then the engine's defaults. ``"auto"`` bucket sizes resolve as HF's integration does
+    (hidden_size squared, from the model's config.json)."""
+    from .writers.engine_native import Target
+
+    zero = _config_zero(config)
+    source_zero = (plan.training.config or {}).get("zero_optimization") if plan.training else None
+    source_zero = source_zero if isinstance(source_zero, dict) else {}
+    if stage is None:
+        stage = zero.get("stage", plan.stage)
+    if reduce_bucket_size is None:
+        bucket = zero.get("reduce_bucket_size", source_zero.get("reduce_bucket_size", DEFAULT_BUCKET))
+        if bucket == "auto":
+            hidden = _hidden_size(plan)
+            if hidden is None:
+                raise InvalidArgumentError("reduce_bucket_size is \"auto\" but the model's hidden size is unknown "
+                                           "(no config.json beside the checkpoint); pass --reduce-bucket-size")
+            bucket = hidden * hidden
+        try:
+            reduce_bucket_size = int(float(bucket))
+        except (TypeError, ValueError):
+            raise InvalidArgumentError(f"reduce_bucket_size {bucket!r} is not a number; pass "
+                                       f"--reduce-bucket-size") from None
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise InvalidArgumentError(f"zero_optimization.stage {stage!r} is not an integer; pass --stage")
+    return Target(world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size)
+
+
+def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | None = None,
+            reduce_bucket_size: int | None = None, config: str | Path | None = None, tag: str | None = None,
+            overwrite: bool = False, quiet: bool = True, workers: int | None = None) -> ReshardResult:
+    """Write SRC's training state as an engine-native checkpoint for ``world_size`` ranks into OUT."""
+    from tqdm.auto import tqdm
+
+    from .assemble import default_workers
+    from .outdir import check_output, staged_output
+    from .writers.engine_native import layout_for, require_training_state, write_engine_checkpoint, written_bytes
+    from .writers.hf_safetensors import copy_model_files
+
+    started = time.perf_counter()
+    out = Path(out)
+    if world_size < 1:
+        raise InvalidArgumentError(f"--world-size must be at least 1, got {world_size}")
+    plan = open_plan(src, tag)
+    require_training_state(plan)
+    target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
+    table = layout_for(plan, target)  # validates the layout before any byte is written
+    check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
+    with staged_output(out, overwrite) as staging, \
+            tqdm(total=written_bytes(plan, table), unit="B", unit_scale=True, unit_divisor=1024, desc="reshard",
+                 disable=quiet) as bar:
+        manifest = write_engine_checkpoint(plan, staging, target, workers=workers or default_workers(),
+                                           progress=bar.update)
+        copy_model_files(Path(plan.model_dir) if plan.model_dir else None, staging, None)
+    return ReshardResult(
+        source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,
+        from_world_size=plan.world_size, to_world_size=target.world_size, from_stage=plan.stage,
+        to_stage=target.stage, reduce_bucket_size=target.reduce_bucket_size,
+        parameters=sum(t.numel for t in plan.trainable()), state_keys=list(plan.training.state_keys),
+        files=sorted(manifest.files), bytes_written=sum(f.size for f in manifest.files.values()),
+        seconds=round(time.perf_counter() - started, 3))
