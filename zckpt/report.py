@@ -35,10 +35,43 @@ def inspect(src: str | Path, tag: str | None = None) -> dict[str, Any]:
                        "tied": {a: c for a, c in plan.aliases.items()}},
         "buffers": plan.count("buffer"), "tensors": len(plan.tensors),
         "files": [{"path": f.path, "role": f.role, "rank": f.rank, "bytes": f.size} for f in plan.files],
+        "training_state": _training(plan),
     })
     report["missing"] = [f["path"] for f in report["files"] if f["bytes"] is None]
     report["bytes_on_disk"] = sum(f["bytes"] or 0 for f in report["files"])
     return report
+
+
+def _training(plan) -> dict[str, Any] | None:
+    """What the checkpoint holds besides the weights (metadata only: scalars such as Adam's step are not read)."""
+    training = plan.training
+    if training is None:
+        return None
+    return {
+        "optimizer": training.optimizer, "state_keys": list(training.state_keys),
+        "groups": [{"index": g.index, "hparams": g.hparams, "scalars": [s.name for s in g.scalars]}
+                   for g in training.groups],
+        "scheduler": training.scheduler, "loss_scaler": training.loss_scaler, "counters": training.counters,
+        "client_state_keys": sorted(training.client_state), "resumable": training.has_optimizer_state,
+    }
+
+
+def _training_rows(training: dict[str, Any] | None) -> list[tuple[str, str]]:
+    if training is None:
+        return [("training state", "none (weights only)")]
+    groups = "; ".join(f"{g['index']}: " + ", ".join(f"{k}={v}" for k, v in g["hparams"].items()
+                                                       if k in ("lr", "weight_decay", "betas", "eps"))
+                       for g in training["groups"])
+    scaler = training["loss_scaler"]
+    return [
+        ("optimizer", f"{training['optimizer']}, state per parameter: {', '.join(training['state_keys']) or 'none'}"),
+        ("param groups", groups or "none"),
+        ("scheduler", "none" if training["scheduler"] is None else
+         str(training["scheduler"].get("type", training["scheduler"]))[:100]),
+        ("loss scaler", "none" if scaler is None else f"{scaler.get('type', '?')}, scale {scaler.get('cur_scale')}"),
+        ("counters", ", ".join(f"{k} {v}" for k, v in training["counters"].items()) or "none"),
+        ("client state", ", ".join(training["client_state_keys"]) or "none"),
+    ]
 
 
 def _str(value: Any) -> str | None:
@@ -62,7 +95,7 @@ def render(report: dict[str, Any]) -> str:
                            f"{len(params['tied'])} tied" + (f" ({tied})" if tied else "")),
             ("buffers", f"{report['buffers']:,} elements"),
             ("tensors", str(report["tensors"])),
-        ]
+        ] + _training_rows(report.get("training_state"))
     rows.append(("on disk", f"{human_bytes(report['bytes_on_disk'])} in {len(report['files'])} files"))
     width = max(len(k) for k, _ in rows)
     lines = [f"{k:<{width}}  {v}" for k, v in rows]
