@@ -45,7 +45,7 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
 
     from .assemble import parse_dtype
     from .outdir import check_output, staged_output
-    from .writers.hf_safetensors import copy_model_files, write_weights
+    from .writers import WRITERS
 
     started = time.perf_counter()
     out = Path(out)
@@ -54,16 +54,15 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     _check_config(plan.model_dir)
-    total = sum(t.nbytes for t in plan.tensors)
+    writer = WRITERS["hf"]
     with staged_output(out, overwrite) as staging, \
-            tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate",
+            tqdm(total=writer.total_bytes(plan), unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate",
                  disable=quiet) as bar:
-        written = write_weights(plan, staging, dtype, max_shard_size=max_shard_size, progress=bar,
-                                workers=workers)
-        copied = copy_model_files(Path(plan.model_dir) if plan.model_dir else None, staging, dtype)
+        written = writer.write(plan, staging, bar.update, dtype=dtype, max_shard_size=max_shard_size,
+                               workers=workers)
     return ConsolidateResult(
         source=plan.source, tag=plan.tag, out=str(out), dtype=dtype or "as stored",
-        files=written.files, copied=copied, tensors=written.tensors, parameters=written.parameters,
+        files=written.files, copied=written.copied, tensors=written.tensors, parameters=written.parameters,
         tied=dict(plan.aliases), bytes_written=written.bytes_written,
         seconds=round(time.perf_counter() - started, 3))
 

@@ -58,19 +58,19 @@ def _training(plan) -> dict[str, Any] | None:
 
 def _training_rows(training: dict[str, Any] | None) -> list[tuple[str, str]]:
     if training is None:
-        return [("training state", "none (weights only)")]
+        return [("training", "none: weights only, no optimizer state")]
     groups = "; ".join(f"{g['index']}: " + ", ".join(f"{k}={v}" for k, v in g["hparams"].items()
                                                        if k in ("lr", "weight_decay", "betas", "eps"))
                        for g in training["groups"])
     scaler = training["loss_scaler"]
     return [
         ("optimizer", f"{training['optimizer']}, state per parameter: {', '.join(training['state_keys']) or 'none'}"),
-        ("param groups", groups or "none"),
+        ("groups", groups or "none"),
         ("scheduler", "none" if training["scheduler"] is None else
          str(training["scheduler"].get("type", training["scheduler"]))[:100]),
         ("loss scaler", "none" if scaler is None else f"{scaler.get('type', '?')}, scale {scaler.get('cur_scale')}"),
         ("counters", ", ".join(f"{k} {v}" for k, v in training["counters"].items()) or "none"),
-        ("client state", ", ".join(training["client_state_keys"]) or "none"),
+        ("client keys", ", ".join(training["client_state_keys"]) or "none"),
     ]
 
 

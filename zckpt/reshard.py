@@ -107,8 +107,8 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
 
     from .assemble import default_workers
     from .outdir import check_output, staged_output
-    from .writers.engine_native import layout_for, require_training_state, write_engine_checkpoint, written_bytes
-    from .writers.hf_safetensors import copy_model_files
+    from .writers import WRITERS
+    from .writers.engine_native import layout_for, require_training_state
 
     started = time.perf_counter()
     out = Path(out)
@@ -117,14 +117,13 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     plan = open_plan(src, tag)
     require_training_state(plan)
     target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
-    table = layout_for(plan, target)  # validates the layout before any byte is written
+    layout_for(plan, target)  # validates the layout before any byte is written
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
+    writer = WRITERS["engine"]
     with staged_output(out, overwrite) as staging, \
-            tqdm(total=written_bytes(plan, table), unit="B", unit_scale=True, unit_divisor=1024, desc="reshard",
-                 disable=quiet) as bar:
-        manifest = write_engine_checkpoint(plan, staging, target, workers=workers or default_workers(),
-                                           progress=bar.update)
-        copy_model_files(Path(plan.model_dir) if plan.model_dir else None, staging, None)
+            tqdm(total=writer.total_bytes(plan, target=target), unit="B", unit_scale=True, unit_divisor=1024,
+                 desc="reshard", disable=quiet) as bar:
+        manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or default_workers())
     return ReshardResult(
         source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,
         from_world_size=plan.world_size, to_world_size=target.world_size, from_stage=plan.stage,
