@@ -7,7 +7,7 @@ path). Rank ``r``'s files are produced by walking its flat partitions in order::
     for each group g, for each element range of rank r's partition: padding -> zeros,
                                                                      fragment of param i -> read its source range
 
-The bytes of each file are produced sequentially in bounded chunks (``CHUNK`` elements), hashed (sha256) as they are
+The bytes of each file are produced sequentially in bounded chunks (``CHUNK_BYTES``), hashed (sha256) as they are
 written -- one pass, no re-read -- and files are written by a small thread pool. Memory: workers x one chunk.
 """
 
@@ -28,8 +28,9 @@ from ..errors import InvalidArgumentError, UnsupportedCheckpointError
 from ..plan import DTYPE_SIZES, CheckpointPlan, TensorPlan
 from .safetensors_stream import Entry, build_header
 
-#: elements per read/write chunk (16 MiB of fp32)
-CHUNK = 4 * 2**20
+#: bytes per read/write chunk: each writer thread holds one
+CHUNK_BYTES = 16 * 2**20
+_ZEROS = bytes(CHUNK_BYTES)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -132,20 +133,20 @@ class _HashingFile:
         return self.sha.hexdigest()
 
 
-def _write_pieces(out: _HashingFile, pieces, itemsize: int, files: FileCache, progress: Callable[[int], None]):
-    zeros = None
+def _write_pieces(out: _HashingFile, pieces, itemsize: int, files: FileCache, progress: Callable[[int], None],
+                  scratch: bytearray) -> None:
+    """Write ``pieces`` in chunks: zeros for padding, source bytes read through ``scratch`` (reused) otherwise."""
+    per_chunk = len(scratch) // itemsize
     for count, src, start in pieces:
         done = 0
         while done < count:
-            n = min(CHUNK, count - done)
+            n = min(per_chunk, count - done)
             if src is None:
-                if zeros is None or len(zeros) < n * itemsize:
-                    zeros = bytes(min(CHUNK, count) * itemsize)
-                out.write(memoryview(zeros)[: n * itemsize])
+                out.write(memoryview(_ZEROS)[: n * itemsize])
             else:
-                buf = bytearray(n * itemsize)
-                read_range(src, files, start + done, n, memoryview(buf))
-                out.write(buf)
+                chunk = memoryview(scratch)[: n * itemsize]
+                read_range(src, files, start + done, n, chunk)
+                out.write(chunk)
                 progress(n * itemsize)
             done += n
 
@@ -185,10 +186,11 @@ def _rank_jobs(plan: CheckpointPlan, table: PartitionTable, rank: int) -> list[_
 def _write_file(job: _FileJob, folder: Path, files: FileCache, progress) -> spec.FileEntry:
     entries = [Entry(key, dtype, shape) for key, dtype, shape, _ in job.tensors]
     out = _HashingFile(folder / job.name)
+    scratch = bytearray(CHUNK_BYTES)
     try:
         out.write(build_header(entries, {"format": spec.FORMAT, "rank": str(job.rank), "role": job.role}))
         for key, dtype, _shape, pieces in job.tensors:
-            _write_pieces(out, pieces(), DTYPE_SIZES[dtype], files, progress)
+            _write_pieces(out, pieces(), DTYPE_SIZES[dtype], files, progress, scratch)
     finally:
         digest = out.close()
     return spec.FileEntry(rank=job.rank, role=job.role, size=out.size, sha256=digest)
