@@ -21,14 +21,13 @@ import threading
 from typing import Callable
 
 from .assemble import FileCache, read_range
-from .plan import DTYPE_SIZES, TensorPlan
+from .plan import DTYPE_SIZES, FLOAT_DTYPES, TensorPlan
 
 try:
     import numpy as np
 except ImportError:  # pragma: no cover - exercised by tests with numpy hidden
     np = None
 
-FLOATS = ("float64", "float32", "float16", "bfloat16")
 _NP = {"float32": np.float32, "float16": np.float16} if np is not None else {}
 
 
@@ -38,7 +37,7 @@ _scratch = threading.local()
 
 def output_dtype(plan: TensorPlan, dtype: str | None) -> str:
     """Floating tensors take ``dtype``; integer and bool tensors keep theirs."""
-    return dtype if dtype is not None and plan.dtype in FLOATS else plan.dtype
+    return dtype if dtype is not None and plan.dtype in FLOAT_DTYPES else plan.dtype
 
 
 def write_cast(plan: TensorPlan, files: FileCache, dtype: str | None, write: Callable[[memoryview, int], None]

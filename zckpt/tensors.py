@@ -10,13 +10,11 @@ import ctypes
 import torch
 
 from .assemble import FileCache, read_into
+from .plan import DTYPES as PLAN_DTYPES
 from .plan import TensorPlan
 
-DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64, "float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16,
-    "int64": torch.int64, "int32": torch.int32, "int16": torch.int16, "int8": torch.int8, "uint8": torch.uint8,
-    "bool": torch.bool,
-}
+#: torch dtype objects by plan dtype name; plan names are torch's, so :data:`zckpt.plan.DTYPES` stays the one table.
+DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in PLAN_DTYPES}
 
 
 def byte_view(tensor: torch.Tensor) -> memoryview:

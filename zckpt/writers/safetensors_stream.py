@@ -16,12 +16,7 @@ import struct
 import threading
 from dataclasses import dataclass
 
-from ..plan import DTYPE_SIZES
-
-SAFETENSORS_DTYPES = {
-    "float64": "F64", "float32": "F32", "float16": "F16", "bfloat16": "BF16", "int64": "I64", "int32": "I32",
-    "int16": "I16", "int8": "I8", "uint8": "U8", "bool": "BOOL",
-}
+from ..plan import DTYPE_SIZES, SAFETENSORS_CODES
 
 
 @dataclass(frozen=True)
@@ -41,7 +36,7 @@ def build_header(entries: list[Entry], metadata: dict[str, str] | None) -> bytes
         header["__metadata__"] = metadata
     offset = 0
     for entry in entries:
-        header[entry.name] = {"dtype": SAFETENSORS_DTYPES[entry.dtype], "shape": list(entry.shape),
+        header[entry.name] = {"dtype": SAFETENSORS_CODES[entry.dtype], "shape": list(entry.shape),
                               "data_offsets": [offset, offset + entry.nbytes]}
         offset += entry.nbytes
     raw = json.dumps(header, separators=(",", ":")).encode()
