@@ -42,10 +42,6 @@ class DistContext:
     device: torch.device
     backend: str
 
-    @property
-    def is_main(self) -> bool:
-        return self.rank == 0
-
 
 def _pick_backend() -> tuple[str, torch.device]:
     local_rank = int(os.environ.get("LOCAL_RANK", "0"))

@@ -293,11 +293,6 @@ class PartitionedParamManager:
                 self._hooks.append(self.params[slot.index].register_post_accumulate_grad_hook(
                     self._grad_hook(slot.index)))
 
-    def remove_hooks(self) -> None:
-        for h in self._hooks:
-            h.remove()
-        self._hooks = []
-
     def _start_pass(self, _module, _inputs) -> None:
         """Root pre-forward: release leftovers of an unfinished pass (e.g. a forward without backward), then replay
         (or record) the trace of this mode (grad enabled or not)."""
