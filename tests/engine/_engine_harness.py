@@ -11,8 +11,10 @@ from __future__ import annotations
 import faulthandler
 import json
 import os
+import signal
 import socket
 import traceback
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -153,8 +155,52 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str):
             dist.destroy_process_group()
 
 
+@dataclass(frozen=True)
+class Outcome:
+    """How one worker process ended: its exit code (negative: killed by that signal) and its Python traceback."""
+
+    rank: int
+    exitcode: int
+    error: str | None
+
+    def priority(self) -> tuple[int, int]:
+        if self.error is not None:
+            kind = 1
+        elif self.exitcode > 0:
+            kind = 0
+        else:
+            kind = 3 if -self.exitcode in (signal.SIGTERM, signal.SIGKILL) else 2
+        return kind, self.rank
+
+    def describe(self) -> str:
+        if self.exitcode == 0:
+            return "exited normally"
+        if self.error is not None:
+            return f"raised (exit code {self.exitcode}):\n{self.error}"
+        if self.exitcode > 0:
+            return f"terminated with exit code {self.exitcode} (no Python error)"
+        return f"terminated with signal {signal.Signals(-self.exitcode).name}"
+
+
+class WorkerFailed(AssertionError):
+    """Some worker of :func:`launch` failed. ``outcomes`` has one :class:`Outcome` per rank; ``primary`` is the cause.
+
+    When one rank fails, the others usually fail *because* of it (a collective loses its peer; ``join`` sends
+    SIGTERM to those still running), and which of them the parent notices first is a race. So the cause is picked
+    by kind, not by arrival: a plain exit code (no Python error: ``os._exit``, a C++ ``exit``) first, then a Python
+    error, then a signal other than the SIGTERM/SIGKILL that ``join`` uses on the survivors; lowest rank on ties.
+    """
+
+    def __init__(self, outcomes: list[Outcome]):
+        self.outcomes = outcomes
+        self.primary = min((o for o in outcomes if o.exitcode != 0), key=Outcome.priority)
+        others = [f"-- also rank {o.rank}: {o.describe()}" for o in outcomes if o is not self.primary]
+        super().__init__("\n".join([f"worker failed: rank {self.primary.rank} {self.primary.describe()}", *others]))
+
+
 def launch(fn, world_size: int, out_dir: Path, *args, timeout: float = 300.0) -> None:
-    """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` spawned processes; re-raise a worker error.
+    """Run ``fn(rank, world_size, out_dir, *args)`` in ``world_size`` spawned processes; raise :class:`WorkerFailed`
+    if any of them fails.
 
     A worker that dies from a signal without a Python error (seen once in CI: ``terminate called without an active
     exception`` from a C++ thread in rank 1 of a 2-process gloo group, not reproduced in 70 local runs) gets one
@@ -166,28 +212,32 @@ def launch(fn, world_size: int, out_dir: Path, *args, timeout: float = 300.0) ->
     out_dir.mkdir(parents=True, exist_ok=True)
     before = set(out_dir.iterdir())
     for attempt in (1, 2):
-        exc = _launch_once(fn, world_size, out_dir, args, timeout)
-        if exc is None:
+        outcomes = _launch_once(fn, world_size, out_dir, args, timeout)
+        if outcomes is None:
             return
-        errors = sorted(out_dir.glob("error.rank*.txt"))
-        detail = "\n".join(e.read_text() for e in errors)
-        if errors or attempt == 2 or "signal" not in str(exc):
-            raise AssertionError(f"worker failed:\n{detail or exc}")
-        print(f"warning: {exc}; retrying {fn.__name__} once", file=sys.stderr)
+        failure = WorkerFailed(outcomes)
+        if attempt == 2 or failure.primary.error is not None or failure.primary.exitcode > 0:
+            raise failure
+        print(f"warning: {failure}; retrying {fn.__name__} once", file=sys.stderr)
         for path in set(out_dir.iterdir()) - before:
             shutil.rmtree(path) if path.is_dir() else path.unlink()
 
 
-def _launch_once(fn, world_size: int, out_dir: Path, args: tuple, timeout: float) -> Exception | None:
+def _launch_once(fn, world_size: int, out_dir: Path, args: tuple, timeout: float) -> list[Outcome] | None:
+    """None if every worker succeeded, else every worker's :class:`Outcome` (``join`` has ended them all)."""
     import torch.multiprocessing as mp
 
+    errors = [out_dir / f"error.rank{rank}.txt" for rank in range(world_size)]
+    for stale in errors:  # from an earlier launch into the same folder
+        stale.unlink(missing_ok=True)
     ctx = mp.start_processes(_entry, args=(world_size, free_port(), fn, args, str(out_dir)), nprocs=world_size,
                              join=False, start_method="spawn")
     try:
         while not ctx.join(timeout=timeout):
             pass
-    except Exception as exc:  # ProcessRaisedException / ProcessExitedException
-        return exc
+    except (mp.ProcessRaisedException, mp.ProcessExitedException):
+        return [Outcome(rank, p.exitcode, errors[rank].read_text() if errors[rank].exists() else None)
+                for rank, p in enumerate(ctx.processes)]
     return None
 
 
