@@ -11,6 +11,18 @@ Where the fp32 weights live (the same rules as DeepSpeed's ``utils/zero_to_fp32.
 * Frozen parameters have no fp32 master: ``frozen_param_fragments`` in the model-states file(s) hold them at the
   training dtype (whole in stages 1/2, one piece per rank in stage 3). Buffers are in ``module``.
 * ``shared_params`` maps a tied alias (e.g. ``lm_head.weight``) to the stored parameter.
+
+The training state (:class:`~zckpt.plan.TrainingState`), also from metadata alone:
+
+* The base optimizer sees each fp32 flat group as one parameter. Its torch ``state_dict`` sits in
+  ``base_optimizer_state`` (stages 1/2) or ``optimizer_state_dict`` (stage 3) of every shard: per flat group, the
+  moments (``exp_avg``, ``exp_avg_sq``: 1-D, one element per element of the rank's fp32 partition, so a parameter's
+  moments have exactly its fp32 fragments' layout) and scalars (``step``); ``param_groups`` carry the
+  hyper-parameters. A rigid stage-1/2 save keeps the last rank's alignment padding (``group_paddings``) at the
+  moments' tail; the fp32 partition is saved without it. DeepSpeed's elastic form (``elastic_checkpoint``) is a list
+  of per-group states without padding and without ``param_groups``.
+* Loss scaler (pickled ``LossScaler``/``DynamicLossScaler``), ``lr_scheduler``, counters, client state and
+  ``ds_config`` are in the model states (rank 0's) and the shards.
 """
 
 from __future__ import annotations
@@ -18,11 +30,13 @@ from __future__ import annotations
 import math
 import re
 from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsupportedCheckpointError
-from ..plan import DTYPE_SIZES, CheckpointPlan, Fragment, SourceFile, TensorPlan
+from ..plan import (DTYPE_SIZES, CheckpointPlan, Fragment, OptimizerGroup, SourceFile, StatePlan, TensorPlan,
+                    TrainingState)
 from .locate import Located
 from .torch_pickle import TensorRef, load_lazy
 
@@ -185,17 +199,37 @@ def _numel(shape: Any) -> int:
     return math.prod(int(s) for s in shape)
 
 
-def _zero12_params(param_shapes: list[dict], states: dict[int, dict], world: int) -> list[TensorPlan]:
-    groups_per_rank = [states[r]["single_partition_of_fp32_groups"] for r in range(world)]
-    paddings = states[0].get("param_alignment_paddings")
+def _fp32_flat(states: dict[int, dict], stage: int, world: int, files: dict[int, Path]) -> list[list[TensorRef]]:
+    """The fp32 master partitions, flat group ``s`` by rank ``r``: ``[s][r]``."""
+    key = "single_partition_of_fp32_groups" if stage <= 2 else "fp32_flat_groups"
+    per_rank = [states[r].get(key) for r in range(world)]
+    for r, groups in enumerate(per_rank):
+        if not isinstance(groups, (list, tuple)) or len(groups) != len(per_rank[0]):
+            raise CheckpointCorruptError(f"{files[r]}: optimizer_state_dict.{key} is missing or holds another number "
+                                         "of groups than rank 0's; the checkpoint is corrupt")
+    what = ("single_partition_of_fp32_groups[{s}] of rank {r}" if stage <= 2 else "fp32_flat_groups of rank {r}")
+    return [[_flat_ref(per_rank[r][s], what.format(s=s, r=r)) for r in range(world)] for s in range(len(per_rank[0]))]
+
+
+def _state_plans(state: dict[str, list[list[TensorRef]]], group: int, start: int, count: int) -> tuple[StatePlan, ...]:
+    """Stages 1/2: each state tensor's fragments for elements ``[start, start+count)`` of flat group ``group``, laid
+    out exactly like the fp32 partition."""
+    return tuple(StatePlan(key, refs[group][0].dtype, tuple(_fragments(refs[group], start, count, 0)))
+                 for key, refs in state.items())
+
+
+def _zero12_params(param_shapes: list[dict], flat: _FlatGroups, world: int) -> list[TensorPlan]:
+    """Stages 1/2: flat group ``g`` is param group ``g``; its ranks' partitions concatenated hold the parameters."""
+    paddings = flat.paddings
     plans = []
     for g, shapes in enumerate(param_shapes):
-        refs = [_flat_ref(groups_per_rank[r][g], f"single_partition_of_fp32_groups[{g}] of rank {r}")
-                for r in range(world)]
+        refs = flat.fp32[g]
         offset = 0
         for i, (name, shape) in enumerate(shapes.items()):
             n = _numel(shape)
-            plans.append(TensorPlan(name, tuple(int(s) for s in shape), "float32", tuple(_fragments(refs, offset, n, 0))))
+            plans.append(TensorPlan(name, tuple(int(d) for d in shape), "float32",
+                                    tuple(_fragments(refs, offset, n, 0)), group=flat.group_of[g],
+                                    state=_state_plans(flat.state, g, offset, n)))
             offset += n + (int(paddings[g][i]) if paddings is not None else 0)
         avail = sum(r.numel for r in refs)
         align = 2 * world
@@ -205,24 +239,30 @@ def _zero12_params(param_shapes: list[dict], states: dict[int, dict], world: int
     return plans
 
 
-def _zero3_params(param_shapes: list[dict], states: dict[int, dict], world: int) -> list[TensorPlan]:
-    flat = [[_flat_ref(t, f"fp32_flat_groups of rank {r}") for t in states[r]["fp32_flat_groups"]]
-            for r in range(world)]
-    merged = {name: shape for shapes in param_shapes for name, shape in shapes.items()}
+def _zero3_params(param_shapes: list[dict], flat: _FlatGroups, world: int) -> list[TensorPlan]:
+    """Stage 3: rank ``r``'s flat groups concatenated hold ``ceil(numel / world)`` elements of every parameter."""
+    by_rank = [[flat.fp32[s][r] for s in range(len(flat.fp32))] for r in range(world)]
+    state = {key: [[refs[s][r] for s in range(len(refs))] for r in range(world)] for key, refs in flat.state.items()}
     plans, offset = [], 0
-    for name, shape in merged.items():
-        n = _numel(shape)
-        part = math.ceil(n / world)
-        frags = []
-        for r in range(world):
-            dest = r * part
-            if dest < n:
-                frags.extend(_fragments(flat[r], offset, min(part, n - dest), dest))
-        plans.append(TensorPlan(name, tuple(int(s) for s in shape), "float32", tuple(frags)))
-        offset += part
-    avail = sum(t.numel for t in flat[0])
+    for s, shapes in enumerate(param_shapes):
+        for name, shape in shapes.items():
+            n = _numel(shape)
+            part = math.ceil(n / world)
+            frags, state_frags = [], {key: [] for key in state}
+            for r in range(world):
+                dest = r * part
+                if dest < n:
+                    frags.extend(_fragments(by_rank[r], offset, min(part, n - dest), dest))
+                    for key, refs in state.items():
+                        state_frags[key].extend(_fragments(refs[r], offset, min(part, n - dest), dest))
+            plans.append(TensorPlan(name, tuple(int(d) for d in shape), "float32", tuple(frags),
+                                    group=flat.group_of[s],
+                                    state=tuple(StatePlan(key, state[key][0][0].dtype, tuple(frs))
+                                                for key, frs in state_frags.items())))
+            offset += part
+    avail = sum(t.numel for t in by_rank[0])
     if offset != avail:
-        raise CheckpointCorruptError(f"{flat[0][0].path}: rank 0 holds {avail} fp32 elements but the parameters "
+        raise CheckpointCorruptError(f"{by_rank[0][0].path}: rank 0 holds {avail} fp32 elements but the parameters "
                                      f"need {offset}; the checkpoint is corrupt or from another world size")
     return plans
 
@@ -280,6 +320,254 @@ def _order_like_module(plans: list[TensorPlan], module: dict) -> list[TensorPlan
     return sorted(plans, key=lambda t: rank.get(t.name, len(rank)))
 
 
+# --- optimizer state: the base optimizer's state_dict, metadata only ---------------------------------------------
+
+#: Top-level keys DeepSpeed itself writes into a model-states file; every other key came from ``client_state``.
+_DEEPSPEED_OWN_KEYS = frozenset({
+    "module", "buffer_names", "optimizer", "param_shapes", "frozen_param_shapes", "frozen_param_fragments",
+    "shared_params", "lr_scheduler", "data_sampler", "random_ltd", "sparse_tensor_module_names", "skipped_steps",
+    "global_steps", "global_samples", "dp_world_size", "mp_world_size", "ds_config", "ds_version",
+    "checkpoint_parallel_dimensions", "universal_checkpoint_info", "num_experts", "ds_autoep_layers",
+    "autoep_layers"})
+#: ds_config optimizer params that switch DeepSpeed's implementation rather than set a hyper-parameter
+_DS_OPTIMIZER_SWITCHES = frozenset({"torch_adam", "adam_w_mode", "fused", "cpu_offload"})
+
+
+@dataclass(frozen=True)
+class _FlatGroups:
+    """The fp32 flat groups and the base optimizer's state of each, indexed ``[s][r]`` (flat group ``s``, rank ``r``).
+
+    Stages 1/2 have one flat group per param group; stage 3 one per sub-group (``sub_group_size``), the sub-groups
+    of param group 0 first. The base optimizer sees each flat group as one parameter, so torch's ``state_dict``
+    numbers them ``0..S-1`` in that order and its ``state[s]`` holds flat group ``s``'s moments.
+    """
+
+    fp32: list[list[TensorRef]]
+    #: per-parameter state key -> [s][r], each cut to the fp32 partition's numel (a rigid stage-1/2 save keeps the
+    #: last rank's alignment padding, ``group_paddings``, at the moments' tail)
+    state: dict[str, list[list[TensorRef]]]
+    #: flat group -> optimizer param group
+    group_of: list[int]
+    #: stages 1/2: ``param_alignment_paddings`` (rank 0's), per param group per parameter
+    paddings: list | None = None
+    #: rank 0's state dict of each flat group (its scalars, e.g. ``step``, are the groups' scalars)
+    rank0_state: list[dict] = field(default_factory=list)
+    #: torch's ``param_groups`` (rank 0's); None in the elastic form
+    param_groups: list[dict] | None = None
+    #: the elastic form's ``base_optimizer_state_step``, if recorded
+    elastic_step: Any = None
+
+
+def _base_state(osd: dict, stage: int, path: Path) -> tuple[list[dict], list[dict] | None, Any]:
+    """``(state per flat group, torch param_groups or None, base_optimizer_state_step)`` of one rank's shard.
+
+    Torch's ``state_dict`` form ``{"state": {s: {...}}, "param_groups": [...]}``, or DeepSpeed's elastic form
+    (``zero_optimization.elastic_checkpoint``, stages 1/2): a list of per-flat-group state dicts, moments stripped
+    of alignment padding, and no param_groups.
+    """
+    key = "base_optimizer_state" if stage <= 2 else "optimizer_state_dict"
+    base = osd.get(key)
+    if base is None:
+        return [], None, None
+    if isinstance(base, list) and all(isinstance(entry, dict) for entry in base):
+        return base, None, osd.get("base_optimizer_state_step")
+    if not (isinstance(base, dict) and isinstance(base.get("state"), dict)
+            and isinstance(base.get("param_groups"), list)):
+        raise UnsupportedCheckpointError(f"{path}: optimizer_state_dict.{key} is neither a torch optimizer "
+                                         "state_dict nor DeepSpeed's elastic per-group list; zckpt cannot read "
+                                         "its optimizer state")
+    ids = [pid for group in base["param_groups"] for pid in group.get("params", [])]
+    return [base["state"].get(pid, {}) for pid in ids], base["param_groups"], None
+
+
+def _group_of(param_groups: list[dict] | None, flat_count: int, path: Path) -> list[int]:
+    if param_groups is None:
+        return list(range(flat_count))
+    group_of = [g for g, group in enumerate(param_groups) for _ in group.get("params", [])]
+    if len(group_of) != flat_count:
+        raise CheckpointCorruptError(f"{path}: the optimizer's param_groups hold {len(group_of)} flat parameters "
+                                     f"but there are {flat_count} fp32 flat groups; the checkpoint is corrupt")
+    return group_of
+
+
+def _moment_keys(per_flat: list[dict], path: Path) -> tuple[str, ...]:
+    """Keys of the per-parameter state tensors (1-D, one element per fp32 partition element), rank 0's order."""
+    keys: dict[str, None] = {}
+    for entry in per_flat:
+        keys.update((k, None) for k, v in entry.items() if isinstance(v, TensorRef) and v.shape != ())
+    for s, entry in enumerate(per_flat):
+        missing = [k for k in keys if k not in entry]
+        if missing:
+            raise CheckpointCorruptError(f"{path}: optimizer state of flat group {s} lacks {missing} that the other "
+                                         "groups have; the checkpoint is corrupt")
+    return tuple(keys)
+
+
+def _moment_refs(per_rank: dict[int, list[dict]], keys: tuple[str, ...], fp32: list[list[TensorRef]],
+                 states: dict[int, dict], files: dict[int, Path]) -> dict[str, list[list[TensorRef]]]:
+    """Every rank's moment of every flat group, checked against its fp32 partition and cut to its numel."""
+    out: dict[str, list[list[TensorRef]]] = {key: [] for key in keys}
+    for key in keys:
+        for s, fp32_refs in enumerate(fp32):
+            row = []
+            for r, master in enumerate(fp32_refs):
+                entry = per_rank[r][s] if s < len(per_rank[r]) else {}
+                pad = states[r].get("group_paddings")
+                pad = int(pad[s]) if isinstance(pad, (list, tuple)) and s < len(pad) else 0
+                ref = entry.get(key)
+                if not isinstance(ref, TensorRef) or ref.numel not in (master.numel, master.numel + pad):
+                    got = f"{ref.numel} elements" if isinstance(ref, TensorRef) else "none"
+                    raise CheckpointCorruptError(
+                        f"{files[r]}: optimizer state {key!r} of flat group {s} has {got} but the rank's fp32 "
+                        f"partition has {master.numel}; the file is corrupt or from another run — re-save it")
+                ref = _flat_ref(ref, f"optimizer state {key!r} of flat group {s} of rank {r}")
+                row.append(replace(ref, shape=(master.numel,), stride=(1,)))
+            out[key].append(row)
+        dtypes = {ref.dtype for row in out[key] for ref in row}
+        if len(dtypes) > 1:
+            raise CheckpointCorruptError(f"{files[0]}: optimizer state {key!r} is stored with different dtypes "
+                                         f"{sorted(dtypes)} across ranks or groups; the checkpoint is corrupt")
+    return out
+
+
+def _flat_groups(states: dict[int, dict], stage: int, world: int, files: dict[int, Path]) -> _FlatGroups:
+    """The fp32 flat groups with their moments, every rank's checked against its fp32 partition."""
+    fp32 = _fp32_flat(states, stage, world, files)
+    bases = {r: _base_state(states[r], stage, files[r]) for r in range(world)}
+    per_rank = {r: base[0] for r, base in bases.items()}
+    per_flat0, param_groups, step = bases[0]
+    if per_flat0 and len(per_flat0) != len(fp32):
+        raise CheckpointCorruptError(f"{files[0]}: the optimizer state has {len(per_flat0)} flat groups but there "
+                                     f"are {len(fp32)} fp32 flat groups; the checkpoint is corrupt")
+    group_of = _group_of(param_groups, len(fp32), files[0])
+    keys = _moment_keys(per_flat0, files[0]) if per_flat0 else ()
+    moments = _moment_refs(per_rank, keys, fp32, states, files)
+    paddings = states[0].get("param_alignment_paddings") if stage <= 2 else None
+    return _FlatGroups(fp32, moments, group_of, paddings, per_flat0, param_groups, step)
+
+
+_NOT_JSON = object()
+
+
+def _as_json(value: Any, lenient: bool = False) -> Any:
+    """``value`` as JSON data (tuples become lists). A leaf that is not JSON becomes ``str(value)`` when
+    ``lenient``; otherwise the whole value is ``_NOT_JSON``."""
+    if value is None or isinstance(value, bool):
+        return value
+    if isinstance(value, str):
+        return str(value)
+    if isinstance(value, int):
+        return int(value)  # also IntEnum (ZeroStageEnum)
+    if isinstance(value, float):
+        return float(value)
+    if isinstance(value, (list, tuple)):
+        items = [_as_json(v, lenient) for v in value]
+        return _NOT_JSON if any(v is _NOT_JSON for v in items) else items
+    if isinstance(value, dict):
+        if not lenient and not all(isinstance(k, str) for k in value):
+            return _NOT_JSON
+        items = {str(k): _as_json(v, lenient) for k, v in value.items()}
+        return _NOT_JSON if any(v is _NOT_JSON for v in items.values()) else items
+    return str(value) if lenient else _NOT_JSON
+
+
+def _json_items(mapping: dict, skip: frozenset[str] = frozenset()) -> dict:
+    """The items of ``mapping`` whose value is JSON (as JSON), except the keys in ``skip``."""
+    out = {}
+    for key, value in mapping.items():
+        value = _as_json(value)
+        if key not in skip and value is not _NOT_JSON:
+            out[key] = value
+    return out
+
+
+def _optimizer_name(param_groups: list[dict] | None, ds_config: Any, keys: tuple[str, ...]) -> str:
+    """``adamw`` / ``adam`` from torch's ``decoupled_weight_decay``, else from the ds_config optimizer section."""
+    if keys and not {"exp_avg", "exp_avg_sq"} <= set(keys):
+        return "unknown"
+    flags = {group.get("decoupled_weight_decay") for group in param_groups or ()}
+    if flags and flags <= {True, False} and len(flags) == 1:
+        return "adamw" if flags.pop() else "adam"
+    section = ds_config.get("optimizer") if isinstance(ds_config, dict) else None
+    if not isinstance(section, dict):
+        return "unknown"
+    kind = str(section.get("type", "")).lower()
+    params = section.get("params") if isinstance(section.get("params"), dict) else {}
+    if kind == "adamw":
+        return "adamw"
+    if kind == "adam":  # DeepSpeed's Adam is decoupled unless adam_w_mode is false
+        return "adamw" if params.get("adam_w_mode", True) else "adam"
+    return "unknown"
+
+
+def _optimizer_groups(flat: _FlatGroups, ds_config: Any) -> tuple[OptimizerGroup, ...]:
+    """Per param group: JSON hyper-parameters and rank 0's scalar state tensors (``step``) as TensorPlans.
+
+    The elastic form records no param_groups: the hyper-parameters are then the ds_config optimizer params, the
+    same for every group (per-group values set in code are not recorded by DeepSpeed there)."""
+    if flat.param_groups is None:
+        section = ds_config.get("optimizer") if isinstance(ds_config, dict) else None
+        params = section.get("params") if isinstance(section, dict) and isinstance(section.get("params"), dict) else {}
+        common = _json_items(params, _DS_OPTIMIZER_SWITCHES)
+        if flat.elastic_step is not None and _as_json(flat.elastic_step) is not _NOT_JSON:
+            common["step"] = _as_json(flat.elastic_step)
+        hparams = [dict(common) for _ in range(max(flat.group_of, default=-1) + 1)]
+    else:
+        hparams = [_json_items(group, frozenset({"params"})) for group in flat.param_groups]
+    groups = []
+    for g, hp in enumerate(hparams):
+        first = next((flat.rank0_state[s] for s, owner in enumerate(flat.group_of)
+                      if owner == g and s < len(flat.rank0_state)), {})
+        scalars = []
+        for key, value in first.items():
+            if isinstance(value, TensorRef) and value.shape == ():
+                ref = _flat_ref(value, f"optimizer state {key!r} of param group {g}")
+                scalars.append(TensorPlan(key, (), ref.dtype, (Fragment(ref.path, ref.byte_offset, 1, 0),)))
+            elif not isinstance(value, TensorRef) and _as_json(value) is not _NOT_JSON:
+                hp.setdefault(key, _as_json(value))  # e.g. an int ``step`` (DeepSpeed's fused Adam keeps it here)
+        groups.append(OptimizerGroup(g, hp, tuple(scalars)))
+    return tuple(groups)
+
+
+def _loss_scaler(osd: dict, train_dtype: str, path: Path) -> dict | None:
+    """The engine's loss-scaler state (``engine.precision`` ``state_dict()``); None unless fp16, where the engine
+    keeps no scaler (DeepSpeed's bf16/fp32 ``LossScaler(1.0)`` is a no-op)."""
+    scaler = osd.get("loss_scaler")
+    if train_dtype != "float16" or scaler is None:
+        return None
+    attrs = scaler if isinstance(scaler, dict) else vars(scaler)
+    try:
+        if not attrs.get("dynamic", False):
+            return {"type": "static", "cur_scale": float(attrs["cur_scale"])}
+        return {"type": "dynamic", "cur_scale": float(attrs["cur_scale"]), "cur_iter": int(attrs["cur_iter"]),
+                "last_overflow_iter": int(attrs["last_overflow_iter"]),
+                "cur_hysteresis": int(attrs["cur_hysteresis"]), "scale_factor": float(attrs["scale_factor"]),
+                "scale_window": int(attrs["scale_window"]), "min_scale": float(attrs["min_scale"]),
+                "hysteresis": int(attrs["delayed_shift"]),
+                "consecutive_hysteresis": bool(attrs["consecutive_hysteresis"]),
+                "raise_error_at_min_scale": bool(attrs.get("raise_error_at_min_scale", True))}
+    except (KeyError, TypeError, ValueError) as exc:
+        raise CheckpointCorruptError(f"{path}: the pickled loss scaler lacks or garbles {exc}; the file is "
+                                     "corrupt") from None
+
+
+def _training_state(flat: _FlatGroups, osd0: dict, ms0: dict, train_dtype: str, path: Path) -> TrainingState:
+    """Everything beyond the weights: optimizer state plans, groups, scheduler, loss scaler, counters, client state."""
+    ds_config = ms0.get("ds_config")
+    keys = tuple(flat.state)
+    scheduler = _as_json(ms0.get("lr_scheduler")) if isinstance(ms0.get("lr_scheduler"), dict) else None
+    counters = {k: int(ms0[k]) for k in ("global_steps", "global_samples", "skipped_steps")
+                if isinstance(ms0.get(k), int) and not isinstance(ms0.get(k), bool)}
+    client = {k: v for k, v in ((k, _as_json(v)) for k, v in ms0.items() if k not in _DEEPSPEED_OWN_KEYS)
+              if v is not _NOT_JSON and isinstance(k, str)}
+    return TrainingState(
+        optimizer=_optimizer_name(flat.param_groups, ds_config, keys), state_keys=keys,
+        groups=_optimizer_groups(flat, ds_config),
+        scheduler=None if scheduler is _NOT_JSON else scheduler, loss_scaler=_loss_scaler(osd0, train_dtype, path),
+        counters=counters, client_state=client,
+        config=_as_json(ds_config, lenient=True) if isinstance(ds_config, dict) else None)
+
+
 def read_deepspeed_plan(located: Located) -> CheckpointPlan:
     tag_dir = located.tag_dir
     _prefix, files = _optim_files(tag_dir)
@@ -293,10 +581,12 @@ def read_deepspeed_plan(located: Located) -> CheckpointPlan:
         raise CheckpointCorruptError(f"{ms_paths[0]} is not a DeepSpeed model-states file (no param_shapes)")
     _refuse_expert_parallel(ms0, ms_paths[0])
     param_shapes = ms0["param_shapes"]
-    if stage <= 2:
-        params = _zero12_params(param_shapes, states, world)
-    else:
-        params = _zero3_params(param_shapes, states, world)
+    flat = _flat_groups(states, stage, world, files)
+    if not isinstance(param_shapes, list) or len(param_shapes) != len(flat.fp32):
+        raise CheckpointCorruptError(f"{ms_paths[0]}: param_shapes lists {len(param_shapes or ())} groups but the "
+                                     f"optimizer shards hold {len(flat.fp32)} fp32 flat groups; the checkpoint is "
+                                     "corrupt or its files are from different runs")
+    params = (_zero12_params if stage <= 2 else _zero3_params)(param_shapes, flat, world)
     tensors = _buffers(ms0) + _frozen_params(model_states, stage, world) + params
     tensors = _order_like_module(tensors, ms0.get("module"))
     names = {t.name for t in tensors}
@@ -305,10 +595,12 @@ def read_deepspeed_plan(located: Located) -> CheckpointPlan:
                     for r, p in enumerate(ms_paths)]
     source_files += [SourceFile(str(files[r]), "optim_states", r, files[r].stat().st_size) for r in range(world)]
     step = ms0.get("global_steps")
+    train_dtype = _train_dtype(ms0.get("ds_config"))
+    training = _training_state(flat, states[0], ms0, train_dtype, files[0])
     return CheckpointPlan(
         source=str(located.src), format="deepspeed", stage=stage, world_size=world,
-        train_dtype=_train_dtype(ms0.get("ds_config")), tag=located.tag,
+        train_dtype=train_dtype, tag=located.tag,
         step=int(step) if isinstance(step, int) else None, tensors=tuple(tensors), aliases=aliases,
         files=tuple(source_files), model_dir=str(located.model_dir) if located.model_dir else None,
-        version=str(ms0.get("ds_version")) if ms0.get("ds_version") is not None else None,
+        version=str(ms0.get("ds_version")) if ms0.get("ds_version") is not None else None, training=training,
     )
