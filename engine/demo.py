@@ -7,7 +7,9 @@ The data is made here: sequences that count upwards modulo the vocabulary from a
 learn "next token = this token + 1" and the loss visibly falls. Each rank trains on its own slice of every global
 batch. Checkpoints go to ``<out>/checkpoints`` (engine-native format, one set of files per rank), next to the
 model's ``config.json`` as HF Trainer lays them out; rank 0 also writes the gathered fp32 weights
-(``<out>/final_fp32.safetensors``) and the losses (``<out>/train.json``) for the demo to check against.
+(``<out>/final_fp32.safetensors``), the losses and a fresh batch of the same task never trained on
+(``<out>/train.json``: ``losses``, ``eval_ids``) for ``zckpt demo`` to check against; it reads these files and
+never imports the engine.
 """
 
 from __future__ import annotations
@@ -88,8 +90,9 @@ def main() -> None:
         full = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     if rank == 0:
         save_file(full, str(args.out / "final_fp32.safetensors"))
-        (args.out / "train.json").write_text(json.dumps({"losses": losses, "world_size": world,
-                                                         "stage": args.stage}))
+        eval_ids = synthetic_batch(torch.Generator().manual_seed(99), 8).tolist()
+        (args.out / "train.json").write_text(json.dumps({"losses": losses, "eval_ids": eval_ids,
+                                                         "world_size": world, "stage": args.stage}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -1,9 +1,11 @@
 """``zckpt demo``: the Quick start's main job.
 
-1. Train a tiny causal LM with the engine on 2 CPU ranks (ZeRO-3, gloo, ``torchrun -m engine.demo``) on synthetic
-   data, saving engine-native checkpoints; consolidate the latest to bf16 safetensors; load it with transformers'
-   ``from_pretrained``; check the weights equal the engine's gathered fp32 weights cast to bf16, bit for bit, and
-   that the loaded model has learnt the synthetic task.
+1. Train a tiny causal LM with the engine on 2 CPU ranks (ZeRO-3, gloo, ``torchrun -m engine.demo`` in a
+   subprocess) on synthetic data, saving engine-native checkpoints; consolidate the latest to bf16 safetensors; load
+   it with transformers' ``from_pretrained``; check the weights equal the engine's gathered fp32 weights cast to
+   bf16, bit for bit, and that the loaded model has learnt the synthetic task (loss on a fresh batch that
+   ``engine.demo`` wrote). This module only reads the files the subprocess wrote: zckpt never imports the engine's
+   training side.
 2. Do the same for the bundled real-DeepSpeed checkpoint ``fixtures/deepspeed/hf_run`` (an HF Trainer output dir of a
    ZeRO-3 bf16 run on 2 ranks, written by DeepSpeed 0.19), checking logits against DeepSpeed's own reconstruction.
 """
@@ -67,13 +69,11 @@ def run_engine(work: Path, steps: int) -> None:
     state = model.state_dict()
     exact = all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in gathered.items())
     print(f"weights vs the engine's gathered fp32 weights cast to bf16: {'identical' if exact else 'DIFFERENT'}")
-    from engine.demo import synthetic_batch
-
-    batch = synthetic_batch(torch.Generator().manual_seed(99), 8)
+    train = json.loads((work / "train.json").read_text())
+    batch = torch.tensor(train["eval_ids"])  # made by engine.demo from its own data generator, never trained on
     with torch.no_grad():
         loss = model(input_ids=batch, labels=batch).loss.item()
-    losses = json.loads((work / "train.json").read_text())["losses"]
-    first, last = losses[0], losses[-1]
+    first, last = train["losses"][0], train["losses"][-1]
     print(f"loaded bf16 model, loss on fresh synthetic data: {loss:.4f} (training: {first:.4f} -> {last:.4f})")
     if info or not exact or not loss < first / 2:
         raise ZckptError("demo check failed: see above")
