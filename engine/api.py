@@ -288,25 +288,54 @@ class Engine(nn.Module):
         """Gradients are zeroed by :meth:`step`; kept for API compatibility."""
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
+    def _checkpoint_view(self):
+        """What the checkpoint code sees of this engine (:class:`engine.checkpoint.CheckpointView`)."""
+        from engine.checkpoint import CheckpointView, Counters
+
+        return CheckpointView(
+            stage=self.stage, rank=self.ctx.rank, world_size=self.ctx.world_size, device=self.device,
+            compute_dtype=self.compute_dtype, table=self.table, param_names=tuple(self.param_names),
+            param_shapes=tuple(tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
+                               for p in self.trainable),
+            frozen_names=tuple(self.frozen_names), frozen=tuple(self.frozen),
+            frozen_partitioned=self.frozen_partitioned, aliases=dict(self.aliases), module=self.module,
+            mgr=self.mgr, optimizer=self.optimizer, loss_scaler=self.loss_scaler, lr_scheduler=self.lr_scheduler,
+            counters=Counters(global_steps=self.global_steps, global_samples=self.global_samples,
+                              micro_steps=self.micro_steps, skipped_steps=self.skipped_steps),
+            config=self.config.to_dict(), reduce_bucket_size=int(self.config.zero.reduce_bucket_size),
+            gather_16bit_weights_on_model_save=bool(self.config.zero.gather_16bit_weights_on_model_save),
+            set_counters=self._set_counters)
+
+    def _set_counters(self, *, global_steps: int, global_samples: int, micro_steps: int,
+                      skipped_steps: int | None = None) -> None:
+        """Restore the step counters from a checkpoint (``skipped_steps=None`` keeps the optimizer's)."""
+        self.global_steps, self.global_samples, self.micro_steps = global_steps, global_samples, micro_steps
+        if skipped_steps is not None:
+            self.optimizer.skipped_steps = skipped_steps
+
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True, **_ignored):
         from engine.checkpoint import save_checkpoint
-        return save_checkpoint(self, save_dir, tag=tag, client_state=client_state, save_latest=save_latest)
+        return save_checkpoint(self._checkpoint_view(), save_dir, tag=tag, client_state=client_state,
+                               save_latest=save_latest)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, **_ignored):
+        """Restore from an engine or DeepSpeed checkpoint dir; another world size, stage or layout is resharded
+        while loading. Returns ``(path, client_state)``."""
         from engine.checkpoint import load_checkpoint
-        return load_checkpoint(self, load_dir, tag=tag,
+        return load_checkpoint(self._checkpoint_view(), load_dir, tag=tag,
                                load_optimizer_states=load_optimizer_states and not load_module_only,
                                load_lr_scheduler_states=load_lr_scheduler_states and not load_module_only)
 
     def save_16bit_model(self, save_dir, save_filename: str = "model.safetensors", max_shard_size="5GB"):
         from engine.checkpoint import save_16bit_model
-        return save_16bit_model(self, save_dir, save_filename=save_filename, max_shard_size=max_shard_size)
+        return save_16bit_model(self._checkpoint_view(), save_dir, save_filename=save_filename,
+                                max_shard_size=max_shard_size)
 
     def fp32_state_dict(self) -> dict[str, torch.Tensor]:
         """Full fp32 master weights (plus frozen params and buffers) on every rank; for tests and small models."""
         from engine.checkpoint import gather_fp32_state_dict
-        return gather_fp32_state_dict(self)
+        return gather_fp32_state_dict(self._checkpoint_view())
 
 
 def _broadcast_flat(tensors) -> None:

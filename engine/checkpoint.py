@@ -1,80 +1,110 @@
-"""Native checkpoints: per-rank safetensors + a self-describing ``manifest.json``, committed atomically.
+"""Native checkpoints: the engine's saver and loader of the format :mod:`engine.checkpoint_format` defines (file
+names, the manifest, ``latest``, the commit); this module decides what goes into it and how it comes back.
 
-Layout of ``save_dir/<tag>/`` (default tag ``global_step{N}``)::
-
-    rank00000-weights.safetensors   group{g}.fp32_partition (this rank's flat fp32 master partition of group g);
-                                    rank 0 also: frozen.<name> (frozen params, full) and buffer.<name> (buffers)
-    rank00000-optim.safetensors     group{g}.exp_avg / group{g}.exp_avg_sq / group{g}.step (Adam state)
-    rank00001-...                   (stages 1-3: one pair per rank; stage 0: rank 0 writes everything)
-    manifest.json                   format "zckpt-engine" v1: stage, world size, dtypes, every param's name, shape and
-                                    fragments (rank, file, key, element offset, numel, dest), aliases (tied), frozen,
-                                    buffers, step counters, scheduler / loss-scaler state, client_state, config,
-                                    sha256 + size of every file
-    COMMITTED                       written last; a tag without it is incomplete
+The engine hands this module a :class:`CheckpointView` (``Engine._checkpoint_view()``): the layout, names, the objects
+holding state (optimizer, loss scaler, scheduler, ZeRO manager) and the counters. Nothing here reads Engine attributes.
 
 Save protocol (no pickle anywhere):
 
-1. validate on every rank before writing a byte: tag, JSON-serialisable client_state; ranks agree on the tag
-   (all-gather), rank 0 checks the destination (an existing tag is replaced only if it is one of ours);
+1. validate on every rank before writing a byte: tag, JSON-serialisable client_state / scheduler / loss scaler /
+   config; ranks agree on the tag (all-gather), rank 0 checks the destination (an existing tag is replaced only if it
+   is one of ours);
 2. rank 0 creates ``save_dir/.<tag>.tmp-XXXX`` and broadcasts its name;
 3. every rank writes and fsyncs its files, hashes them; hashes are all-gathered to rank 0;
-4. rank 0 writes ``manifest.json`` then ``COMMITTED`` (both fsynced), renames the temp dir to ``<tag>`` (moving an
-   older copy of the same tag aside first and deleting it after), fsyncs ``save_dir``, then replaces ``latest``
-   atomically (temp file, fsync, rename);
+4. rank 0 commits (:func:`engine.checkpoint_format.commit`: ``manifest.json`` then ``COMMITTED``, both fsynced),
+   renames the temp dir to ``<tag>`` (moving an older copy of the same tag aside first and deleting it after), fsyncs
+   ``save_dir``, then replaces ``latest`` atomically;
 5. barrier: every rank returns only once the checkpoint is committed.
 
-Load: the same world size and stage only (resharding is a later issue); own files are size- and sha256-checked.
+Load: a checkpoint of the same world size, stage and partition layout (every parameter's fragments and every group's
+partition size equal this run's) is the fast path: each rank reads its own files, size- and sha256-checked. Anything
+else -- another world size, stage, bucket size, parameter grouping, or a DeepSpeed checkpoint -- is resharded while
+loading by :mod:`engine.reshard_load`.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
 import shutil
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, Callable
 
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from engine import checkpoint_format as spec
 from engine import comm
-
-FORMAT, FORMAT_VERSION = "zckpt-engine", 1
-MANIFEST, COMMITTED, LATEST = "manifest.json", "COMMITTED", "latest"
+from engine.partition import ALIGN, PartitionTable
 
 
 class CheckpointError(ValueError):
     """A checkpoint cannot be saved or loaded as asked; the message says why and what to do."""
 
 
-def weights_file(rank: int) -> str:
-    return f"rank{rank:05d}-weights.safetensors"
+# -- what the engine shows its checkpoint code ------------------------------------------------------------------
+@dataclass(frozen=True, kw_only=True)
+class Counters:
+    global_steps: int
+    global_samples: int
+    micro_steps: int
+    skipped_steps: int
 
 
-def optim_file(rank: int) -> str:
-    return f"rank{rank:05d}-optim.safetensors"
+@dataclass(frozen=True, kw_only=True)
+class CheckpointView:
+    """A typed snapshot of an Engine for save / load / export, built by ``Engine._checkpoint_view()``.
+
+    Indices: trainable parameter ``i`` is ``param_names[i]`` and index ``i`` of ``table``; stage 3 also partitions the
+    first ``frozen_partitioned`` frozen parameters, at table indices ``len(param_names) + k``. The state holders
+    (``optimizer``, ``loss_scaler``, ``lr_scheduler``, ``mgr``) are the engine's own objects: loading fills them.
+    """
+
+    stage: int
+    rank: int
+    world_size: int
+    device: torch.device
+    compute_dtype: torch.dtype
+    table: PartitionTable
+    param_names: tuple[str, ...]  # trainable parameters, canonical names, engine order
+    param_shapes: tuple[tuple[int, ...], ...]
+    frozen_names: tuple[str, ...]
+    frozen: tuple  # the frozen nn.Parameters, same order
+    frozen_partitioned: int  # stage 3: how many of ``frozen`` (the first ones) are partitioned
+    aliases: dict  # tied: alias name -> canonical name
+    module: torch.nn.Module  # for buffers and the 16-bit export's state_dict order
+    mgr: Any  # the ZeRO manager: gathered(), full_param(), zero_grads(), refresh_after_load()
+    optimizer: Any  # engine.optimizer.ShardedOptimizer
+    loss_scaler: Any  # None unless fp16
+    lr_scheduler: Any
+    counters: Counters
+    config: dict  # the resolved config, EngineConfig.to_dict()
+    reduce_bucket_size: int
+    gather_16bit_weights_on_model_save: bool
+    set_counters: Callable[..., None]  # Engine._set_counters(global_steps=..., ..., skipped_steps=None keeps it)
+
+    @property
+    def n_trainable(self) -> int:
+        return len(self.param_names)
+
+    @property
+    def table_rank(self) -> int:
+        """This rank's rank in the partition table (stage 0 keeps one whole copy: every rank is rank 0)."""
+        return self.rank if self.table.world_size > 1 else 0
+
+    def trainable_units(self) -> tuple[tuple[int, ...], ...]:
+        """Units of trainable parameters as index lists, in unit order (stage 3's frozen units left out)."""
+        units = (tuple(s.index for s in u.params) for u in self.table.units)
+        return tuple(u for u in units if all(i < self.n_trainable for i in u))
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
     return str(dtype).replace("torch.", "")
-
-
-# -- filesystem helpers -----------------------------------------------------------------------------------------
-def _fsync_path(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-
-
-def _write_durable(path: Path, data: bytes) -> None:
-    with open(path, "wb") as f:
-        f.write(data)
-        f.flush()
-        os.fsync(f.fileno())
 
 
 def _sha256(path: Path) -> str:
@@ -85,46 +115,28 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def write_latest(save_dir: Path, tag: str) -> None:
-    """Replace ``save_dir/latest`` atomically: temp file, fsync, rename, fsync the directory."""
-    tmp = save_dir / f".{LATEST}.tmp-{os.getpid()}"
-    _write_durable(tmp, tag.encode())
-    os.replace(tmp, save_dir / LATEST)
-    _fsync_path(save_dir)
-
-
-def read_latest(load_dir: Path) -> str | None:
-    path = load_dir / LATEST
-    if not path.is_file():
-        return None
-    tag = path.read_text().strip()
-    if not tag:
-        raise CheckpointError(f"{path} is empty; pass tag= explicitly or rewrite it with a committed tag name")
-    return tag
-
-
-def _is_ours(tag_dir: Path) -> bool:
+def _spec_call(fn, *args, **kwargs):
+    """Call a :mod:`engine.checkpoint_format` function, turning its FormatError into our CheckpointError."""
     try:
-        return json.loads((tag_dir / MANIFEST).read_text()).get("format") == FORMAT
-    except (OSError, ValueError):
-        return False
+        return fn(*args, **kwargs)
+    except spec.FormatError as exc:
+        raise CheckpointError(str(exc)) from None
 
 
 # -- save -------------------------------------------------------------------------------------------------------
-def _validate_save(engine, save_dir: Path, tag: str, client_state) -> None:
-    if not tag or "/" in tag or "\\" in tag or tag.startswith(".") or tag == LATEST:
-        raise CheckpointError(f"invalid checkpoint tag {tag!r}: use a plain name such as 'global_step100'")
+def _validate_save(view: CheckpointView, save_dir: Path, tag: str, client_state) -> None:
+    _spec_call(spec.check_tag, tag)
     try:
         json.dumps(client_state if client_state is not None else {}, allow_nan=False)
     except (TypeError, ValueError) as exc:
         raise CheckpointError(f"client_state must be JSON-serialisable (engine checkpoints contain no pickle): "
                               f"{exc}; convert tensors with .tolist() and objects to dicts") from None
-    _state_extras(engine)
+    _state_extras(view)
     tags = comm.all_gather_json(tag)
     if len(set(tags)) != 1:
         raise CheckpointError(f"ranks disagree on the checkpoint tag: {tags}; pass the same tag= on every rank")
     problem = None
-    if comm.rank() == 0 and (save_dir / tag).exists() and not _is_ours(save_dir / tag):
+    if comm.rank() == 0 and (save_dir / tag).exists() and not spec.is_ours(save_dir / tag):
         problem = (f"{save_dir / tag} exists and is not an engine checkpoint; refusing to replace it: choose another "
                    f"tag or move it away")
     problem = comm.broadcast_json(problem)
@@ -132,27 +144,27 @@ def _validate_save(engine, save_dir: Path, tag: str, client_state) -> None:
         raise CheckpointError(problem)
 
 
-def frozen_value(engine, k: int) -> torch.Tensor:
+def frozen_value(view: CheckpointView, k: int) -> torch.Tensor:
     """Frozen parameter ``k``'s full value. Collective for the ones stage 3 partitions (one all-gather)."""
-    if k < engine.frozen_partitioned:
-        return engine.mgr.full_param(len(engine.trainable) + k)
-    return engine.frozen[k].data
+    if k < view.frozen_partitioned:
+        return view.mgr.full_param(view.n_trainable + k)
+    return view.frozen[k].data
 
 
-def _rank_tensors(engine) -> tuple[dict, dict]:
+def _rank_tensors(view: CheckpointView) -> tuple[dict, dict]:
     """This rank's (weights, optimizer) tensors. Collective: stage 3 gathers frozen params (all ranks)."""
-    rank, write_partition = comm.rank(), engine.stage > 0 or comm.rank() == 0
+    rank, write_partition = view.rank, view.stage > 0 or view.rank == 0
     weights, optim = {}, {}
     if write_partition:
-        weights.update(engine.optimizer.master_tensors())
-        optim.update(engine.optimizer.state_tensors())
-    for k, name in enumerate(engine.frozen_names):
-        value = frozen_value(engine, k)
+        weights.update(view.optimizer.master_tensors())
+        optim.update(view.optimizer.state_tensors())
+    for k, name in enumerate(view.frozen_names):
+        value = frozen_value(view, k)
         if rank == 0:
-            weights[f"frozen.{name}"] = value
+            weights[spec.frozen_key(name)] = value
     if rank == 0:
-        for name, buf in _named_buffers(engine.module):
-            weights[f"buffer.{name}"] = buf
+        for name, buf in _named_buffers(view.module):
+            weights[spec.buffer_key(name)] = buf
     to_cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
     return to_cpu(weights), to_cpu(optim)
 
@@ -171,57 +183,60 @@ def _persistent_buffer_names(module) -> set[str]:
     return {name for name, _ in _named_buffers(module) if name in keys}
 
 
-def _write_rank_files(engine, tmp: Path) -> dict:
-    weights, optim = _rank_tensors(engine)
+def _write_rank_files(view: CheckpointView, tmp: Path) -> dict:
+    weights, optim = _rank_tensors(view)
     info = {}
-    rank = comm.rank()
-    for fname, tensors, role in ((weights_file(rank), weights, "weights"), (optim_file(rank), optim, "optim")):
+    rank = view.rank
+    for fname, tensors, role in ((spec.weights_file(rank), weights, "weights"),
+                                 (spec.optim_file(rank), optim, "optim")):
         if not tensors:
             continue
         path = tmp / fname
-        save_file(tensors, str(path), metadata={"format": FORMAT, "rank": str(rank), "role": role})
-        _fsync_path(path)
+        save_file(tensors, str(path), metadata={"format": spec.FORMAT, "rank": str(rank), "role": role})
+        spec.fsync_path(path)
         info[fname] = {"rank": rank, "role": role, "size": path.stat().st_size, "sha256": _sha256(path)}
     return info
 
 
-def build_manifest(engine, tag: str, files: dict, client_state) -> dict:
+def build_manifest(view: CheckpointView, tag: str, files: dict, client_state) -> spec.Manifest:
     """The self-description of a checkpoint; computed from the partition table alone (no communication)."""
-    table, stage = engine.table, engine.stage
+    table = view.table
+    model_dtype = _dtype_name(view.compute_dtype)
     params = []
-    for i, (name, p) in enumerate(zip(engine.param_names, engine.trainable)):
-        frags = [{"rank": f.rank, "file": weights_file(f.rank), "key": f"group{f.group}.fp32_partition",
-                  "offset": f.partition_offset, "numel": f.numel, "dest": f.dest} for f in table.fragments(i)]
-        params.append({"name": name, "shape": list(_shape(p)), "dtype": "float32",
-                       "model_dtype": _dtype_name(engine.compute_dtype), "group": engine.table.units[
-                           table.param_unit[i]].group, "fragments": frags})
-    frozen = [{"name": n, "shape": list(_shape(p)), "dtype": _dtype_name(engine.compute_dtype if
-              p.is_floating_point() else p.dtype), "file": weights_file(0), "key": f"frozen.{n}"}
-              for n, p in zip(engine.frozen_names, engine.frozen)]
-    persistent = _persistent_buffer_names(engine.module)
-    buffers = [{"name": n, "shape": list(b.shape), "dtype": _dtype_name(b.dtype), "file": weights_file(0),
-                "key": f"buffer.{n}", "persistent": n in persistent} for n, b in _named_buffers(engine.module)]
-    return {
-        "format": FORMAT, "format_version": FORMAT_VERSION, "tag": tag, "stage": stage,
-        "world_size": comm.world_size(), "partition_world_size": table.world_size,
-        "compute_dtype": _dtype_name(engine.compute_dtype), "master_dtype": "float32",
-        "global_steps": engine.global_steps, "global_samples": engine.global_samples,
-        "micro_steps": engine.micro_steps, "skipped_steps": engine.skipped_steps,
-        "groups": [{"partition_numel": n, "hparams": hp} for n, hp in
-                   zip(table.group_partition_numel, engine.optimizer.hparams())],
-        "params": params, "aliases": dict(engine.aliases), "frozen": frozen, "buffers": buffers,
-        **_state_extras(engine), "client_state": client_state if client_state is not None else {}, "files": files,
-    }
+    for i, (name, shape) in enumerate(zip(view.param_names, view.param_shapes)):
+        frags = tuple(spec.FragmentEntry(rank=f.rank, file=spec.weights_file(f.rank), key=spec.master_key(f.group),
+                                         offset=f.partition_offset, numel=f.numel, dest=f.dest)
+                      for f in table.fragments(i))
+        params.append(spec.ParamEntry(name=name, shape=tuple(shape), dtype="float32", model_dtype=model_dtype,
+                                      group=table.units[table.param_unit[i]].group, fragments=frags))
+    frozen = tuple(spec.WholeEntry(name=n, shape=_shape(p), dtype=_dtype_name(
+        view.compute_dtype if p.is_floating_point() else p.dtype), file=spec.weights_file(0), key=spec.frozen_key(n))
+        for n, p in zip(view.frozen_names, view.frozen))
+    persistent = _persistent_buffer_names(view.module)
+    buffers = tuple(spec.WholeEntry(name=n, shape=tuple(b.shape), dtype=_dtype_name(b.dtype), file=spec.weights_file(0),
+                                    key=spec.buffer_key(n), persistent=n in persistent)
+                    for n, b in _named_buffers(view.module))
+    c = view.counters
+    return spec.Manifest(
+        tag=tag, stage=view.stage, world_size=view.world_size, partition_world_size=table.world_size,
+        compute_dtype=model_dtype, master_dtype="float32", global_steps=c.global_steps,
+        global_samples=c.global_samples, micro_steps=c.micro_steps, skipped_steps=c.skipped_steps,
+        optimizer=view.optimizer.kind, state_keys=view.optimizer.state_keys(),
+        groups=tuple(spec.GroupEntry(partition_numel=n, hparams=hp)
+                     for n, hp in zip(table.group_partition_numel, view.optimizer.hparams())),
+        params=tuple(params), aliases=dict(view.aliases), frozen=frozen, buffers=buffers,
+        layout=spec.Layout(units=view.trainable_units(), align=ALIGN, reduce_bucket_size=view.reduce_bucket_size),
+        **_state_extras(view), client_state=client_state if client_state is not None else {},
+        files={name: spec.FileEntry(**meta) for name, meta in files.items()})
 
 
-def _state_extras(engine) -> dict:
+def _state_extras(view: CheckpointView) -> dict:
     """Scheduler / loss-scaler state and the resolved config, as JSON (checked before any byte is written)."""
-    scaler = engine.loss_scaler.state_dict() if engine.loss_scaler is not None else None
-    sched = engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None
-    config = engine.config.to_dict()
+    scaler = view.loss_scaler.state_dict() if view.loss_scaler is not None else None
+    sched = view.lr_scheduler.state_dict() if view.lr_scheduler is not None else None
     return {"scheduler": _jsonable(sched, "lr_scheduler.state_dict()"),
             "loss_scaler": _jsonable(scaler, "loss scaler state_dict()"),
-            "config": _jsonable(config, "config.to_dict()")}
+            "config": _jsonable(view.config, "config.to_dict()")}
 
 
 def _jsonable(obj, what: str):
@@ -243,80 +258,67 @@ def _shape(p) -> tuple:
     return tuple(p.ds_shape) if hasattr(p, "ds_shape") else tuple(p.shape)
 
 
-def _commit(save_dir: Path, tmp: Path, tag: str, manifest: dict, save_latest: bool) -> None:
-    _write_durable(tmp / MANIFEST, json.dumps(manifest, indent=1).encode())
-    _write_durable(tmp / COMMITTED, f"{tag}\n".encode())
-    _fsync_path(tmp)
-    final = save_dir / tag
+def _commit(save_dir: Path, tmp: Path, manifest: spec.Manifest, save_latest: bool) -> None:
+    spec.commit(tmp, manifest)
+    final = save_dir / manifest.tag
     old = None
     if final.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{tag}.old-", dir=save_dir))
+        old = Path(tempfile.mkdtemp(prefix=f".{manifest.tag}.old-", dir=save_dir))
         os.rmdir(old)
         os.rename(final, old)
     os.rename(tmp, final)
-    _fsync_path(save_dir)
-    if old is not None and _is_ours(old):
+    spec.fsync_path(save_dir)
+    if old is not None and spec.is_ours(old):
         shutil.rmtree(old)
     if save_latest:
-        write_latest(save_dir, tag)
+        spec.write_latest(save_dir, manifest.tag)
 
 
-def save_checkpoint(engine, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-    """Collective. Write a committed checkpoint of ``engine`` under ``save_dir/<tag>``; see the module docstring."""
+def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
+    """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring."""
     save_dir = Path(save_dir)
-    tag = str(tag) if tag is not None else f"global_step{engine.global_steps}"
-    _validate_save(engine, save_dir, tag, client_state)
+    tag = str(tag) if tag is not None else f"global_step{view.counters.global_steps}"
+    _validate_save(view, save_dir, tag, client_state)
     tmp_name = None
-    if comm.rank() == 0:
+    if view.rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
         tmp_name = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
     tmp = Path(comm.broadcast_json(tmp_name))
     files = {}
-    for part in comm.all_gather_json(_write_rank_files(engine, tmp)):
+    for part in comm.all_gather_json(_write_rank_files(view, tmp)):
         files.update(part)
-    if comm.rank() == 0:
-        _commit(save_dir, tmp, tag, build_manifest(engine, tag, files, client_state), save_latest)
+    if view.rank == 0:
+        _commit(save_dir, tmp, build_manifest(view, tag, files, client_state), save_latest)
     comm.barrier()
     return True
 
 
 # -- load -------------------------------------------------------------------------------------------------------
-def read_manifest(tag_dir: Path) -> dict:
-    """The manifest of a committed engine checkpoint (raises :class:`CheckpointError` otherwise)."""
-    if not (tag_dir / COMMITTED).is_file():
-        raise CheckpointError(f"{tag_dir} has no {COMMITTED} marker: the save was interrupted; load an earlier tag")
-    try:
-        manifest = json.loads((tag_dir / MANIFEST).read_text())
-    except (OSError, ValueError) as exc:
-        raise CheckpointError(f"{tag_dir / MANIFEST} is unreadable ({exc}); load an earlier tag") from None
-    if manifest.get("format") != FORMAT or manifest.get("format_version") != FORMAT_VERSION:
-        raise CheckpointError(f"{tag_dir / MANIFEST} is not a {FORMAT} v{FORMAT_VERSION} manifest")
-    return manifest
+def same_layout(view: CheckpointView, manifest: spec.Manifest) -> bool:
+    """True when each rank can read its own files as they are: same stage and world size, the same parameters in the
+    same order, every parameter's fragments and every group's partition size as this run's table has them."""
+    table = view.table
+    if manifest.stage != view.stage or manifest.world_size != view.world_size:
+        return False
+    if [p.name for p in manifest.params] != list(view.param_names):
+        return False
+    sizes = [g.partition_numel for g in manifest.groups]
+    if len(sizes) != len(view.optimizer.masters) or sizes != list(table.group_partition_numel[: len(sizes)]):
+        return False
+    for i, entry in enumerate(manifest.params):
+        mine = [(f.rank, spec.weights_file(f.rank), spec.master_key(f.group), f.partition_offset, f.numel, f.dest)
+                for f in table.fragments(i)]
+        if mine != [(f.rank, f.file, f.key, f.offset, f.numel, f.dest) for f in entry.fragments]:
+            return False
+    return True
 
 
-def _check_compatible(engine, manifest: dict, tag_dir: Path) -> None:
-    ws, stage = comm.world_size(), engine.stage
-    if manifest["world_size"] != ws or manifest["stage"] != stage:
-        raise CheckpointError(
-            f"{tag_dir} was saved with world size {manifest['world_size']} and ZeRO stage {manifest['stage']}, "
-            f"this run has world size {ws} and stage {stage}; resharding is not supported yet: resume with the "
-            f"same number of processes and stage, or consolidate it to safetensors (zckpt consolidate)")
-    want = [p["name"] for p in manifest["params"]]
-    if want != engine.param_names:
-        raise CheckpointError(f"{tag_dir}: parameter names/order differ from this model (first difference: "
-                              f"{next((a, b) for a, b in zip(want + [None], engine.param_names + [None]) if a != b)})")
-    sizes = [g["partition_numel"] for g in manifest["groups"]]
-    if sizes != list(engine.table.group_partition_numel[: len(sizes)]) or len(sizes) != len(engine.optimizer.masters):
-        raise CheckpointError(f"{tag_dir}: partition layout differs (bucket sizes or parameter groups changed); "
-                              f"use the same zero_optimization bucket sizes and parameter groups as when saving")
-
-
-def _verify_file(tag_dir: Path, fname: str, manifest: dict) -> Path:
-    path, meta = tag_dir / fname, manifest["files"].get(fname)
+def _verify_file(tag_dir: Path, fname: str, manifest: spec.Manifest) -> Path:
+    path, meta = tag_dir / fname, manifest.files.get(fname)
     if meta is None or not path.is_file():
         raise CheckpointError(f"{path} is missing; the checkpoint is incomplete: load an earlier tag")
-    if path.stat().st_size != meta["size"] or _sha256(path) != meta["sha256"]:
-        raise CheckpointError(f"{path} does not match the sha256/size in {MANIFEST}: the file is corrupt; "
+    if path.stat().st_size != meta.size or _sha256(path) != meta.sha256:
+        raise CheckpointError(f"{path} does not match the sha256/size in {spec.MANIFEST}: the file is corrupt; "
                               f"load an earlier tag")
     return path
 
@@ -326,69 +328,101 @@ def _read_all(path: Path) -> dict[str, torch.Tensor]:
         return {k: f.get_tensor(k) for k in f.keys()}
 
 
-def _restore_frozen_and_buffers(engine, rank0_weights: dict) -> None:
-    n_train = len(engine.trainable)
-    for k, (name, p) in enumerate(zip(engine.frozen_names, engine.frozen)):
-        value = rank0_weights[f"frozen.{name}"]
-        if k < engine.frozen_partitioned:
-            with engine.mgr.gathered([n_train + k], modifier_rank=0):
-                p.data.copy_(value.reshape(p.data.shape))
-        else:
+def restore_frozen_and_buffers(view: CheckpointView, frozen: dict, buffers: dict) -> None:
+    """Collective (stage 3). Copy ``frozen`` (name -> full value) and ``buffers`` (name -> value) into the model.
+    Stage 3's partitioned frozen parameters are gathered, written on rank 0 and re-partitioned from it: their values
+    are needed on rank 0 only (others may map them to None)."""
+    for k, (name, p) in enumerate(zip(view.frozen_names, view.frozen)):
+        value = frozen.get(name)
+        if k < view.frozen_partitioned:
+            with view.mgr.gathered([view.n_trainable + k], modifier_rank=0):
+                if value is not None:
+                    p.data.copy_(value.reshape(p.data.shape))
+        elif value is not None:
             p.data.copy_(value)
-    for name, buf in _named_buffers(engine.module):
-        key = f"buffer.{name}"
-        if key in rank0_weights:
-            buf.data.copy_(rank0_weights[key])
+    for name, buf in _named_buffers(view.module):
+        if name in buffers:
+            buf.data.copy_(buffers[name])
+
+
+def finish_load(view: CheckpointView, *, scheduler: dict | None, counters: dict, load_lr_scheduler_states: bool,
+                skipped_steps: int | None) -> None:
+    """After masters, optimizer state and frozen values are in place: drop gradients, rebuild the compute params
+    from the masters, restore the scheduler and counters."""
+    view.mgr.zero_grads()
+    view.mgr.refresh_after_load()
+    if load_lr_scheduler_states and view.lr_scheduler is not None and scheduler is not None:
+        view.lr_scheduler.load_state_dict(scheduler)
+    view.set_counters(global_steps=counters.get("global_steps", 0), global_samples=counters.get("global_samples", 0),
+                      micro_steps=counters.get("micro_steps", 0), skipped_steps=skipped_steps)
+
+
+def _load_same_layout(view: CheckpointView, tag_dir: Path, manifest: spec.Manifest, load_optimizer_states: bool,
+                      load_lr_scheduler_states: bool) -> None:
+    """The fast path: each rank reads its own files (stage 0: rank 0's), checked against the manifest."""
+    src = view.rank if view.stage > 0 else 0
+    weights = _read_all(_verify_file(tag_dir, spec.weights_file(src), manifest))
+    rank0_weights = weights if src == 0 else _read_all(tag_dir / spec.weights_file(0))
+    view.optimizer.load_masters(weights)
+    if load_optimizer_states:
+        # a run saved before its first optimizer step has no state and writes no optimizer file
+        has_state = spec.optim_file(src) in manifest.files
+        optim = _read_all(_verify_file(tag_dir, spec.optim_file(src), manifest)) if has_state else {}
+        view.optimizer.load_state(optim, [g.hparams for g in manifest.groups])
+        if view.loss_scaler is not None and manifest.loss_scaler is not None:
+            view.loss_scaler.load_state_dict(manifest.loss_scaler)
+    frozen = {n: rank0_weights[spec.frozen_key(n)] for n in view.frozen_names}
+    buffers = {n: rank0_weights[spec.buffer_key(n)] for n, _ in _named_buffers(view.module)
+               if spec.buffer_key(n) in rank0_weights}
+    restore_frozen_and_buffers(view, frozen, buffers)
+    counters = {"global_steps": manifest.global_steps, "global_samples": manifest.global_samples,
+                "micro_steps": manifest.micro_steps}
+    finish_load(view, scheduler=manifest.scheduler, counters=counters,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                skipped_steps=manifest.skipped_steps if load_optimizer_states else None)
 
 
 @torch.no_grad()
-def load_checkpoint(engine, load_dir, tag=None, load_optimizer_states=True, load_lr_scheduler_states=True):
+def load_checkpoint(view: CheckpointView, load_dir, tag=None, load_optimizer_states=True,
+                    load_lr_scheduler_states=True):
     """Collective. Restore params, optimizer, scheduler, loss scaler and counters; returns ``(path, client_state)``
-    (``(None, None)`` when ``load_dir`` has no ``latest`` and no tag was given, as DeepSpeed does)."""
+    (``(None, None)`` when ``load_dir`` has no ``latest`` and no tag was given, as DeepSpeed does).
+
+    ``load_dir`` is an engine save dir or a DeepSpeed one; a checkpoint whose world size, stage or layout differs
+    from this run's is resharded while loading (:mod:`engine.reshard_load`)."""
     load_dir = Path(load_dir)
-    tag = str(tag) if tag is not None else read_latest(load_dir)
+    tag = str(tag) if tag is not None else _spec_call(spec.read_latest, load_dir)
     if tag is None:
         return None, None
     tag_dir = load_dir / tag
     if not tag_dir.is_dir():
-        raise CheckpointError(f"{tag_dir} does not exist; check {load_dir / LATEST} or pass an existing tag=")
-    manifest = read_manifest(tag_dir)
-    _check_compatible(engine, manifest, tag_dir)
-    rank = comm.rank()
-    src = rank if engine.stage > 0 else 0
-    weights = _read_all(_verify_file(tag_dir, weights_file(src), manifest))
-    rank0_weights = weights if src == 0 else _read_all(tag_dir / weights_file(0))
-    engine.optimizer.load_masters(weights)
-    if load_optimizer_states:
-        optim = _read_all(_verify_file(tag_dir, optim_file(src), manifest))
-        engine.optimizer.load_state(optim, [g["hparams"] for g in manifest["groups"]])
-        engine.optimizer.skipped_steps = manifest.get("skipped_steps", 0)
-        if engine.loss_scaler is not None and manifest.get("loss_scaler") is not None:
-            engine.loss_scaler.load_state_dict(manifest["loss_scaler"])
-    _restore_frozen_and_buffers(engine, rank0_weights)
-    engine.mgr.zero_grads()
-    engine.mgr.refresh_after_load()
-    if load_lr_scheduler_states and engine.lr_scheduler is not None and manifest.get("scheduler") is not None:
-        engine.lr_scheduler.load_state_dict(manifest["scheduler"])
-    engine.global_steps = manifest["global_steps"]
-    engine.global_samples = manifest.get("global_samples", 0)
-    engine.micro_steps = manifest.get("micro_steps", 0)
+        raise CheckpointError(f"{tag_dir} does not exist; check {load_dir / spec.LATEST} or pass an existing tag=")
+    from engine import reshard_load
+
+    manifest = _spec_call(spec.read_manifest, tag_dir) if spec.is_ours(tag_dir) else None  # else: DeepSpeed?
+    if manifest is not None and same_layout(view, manifest):
+        _load_same_layout(view, tag_dir, manifest, load_optimizer_states, load_lr_scheduler_states)
+        client_state = manifest.client_state
+    else:
+        client_state = reshard_load.load_resharded(view, load_dir, tag, manifest, load_optimizer_states,
+                                                   load_lr_scheduler_states)
     comm.barrier()
-    return str(tag_dir), manifest.get("client_state", {})
+    return str(tag_dir), client_state
 
 
 # -- exports ----------------------------------------------------------------------------------------------------
-def _export_entries(engine) -> list[tuple[str, object]]:
+def _export_entries(view: CheckpointView) -> list[tuple[str, object]]:
     """``(name, tensor-or-param)`` in ``state_dict`` order, each object once (tied weights keep their first name)."""
     seen, out = set(), []
-    for name, t in engine.module.state_dict(keep_vars=True).items():
+    for name, t in view.module.state_dict(keep_vars=True).items():
         if id(t) not in seen:
             seen.add(id(t))
             out.append((name, t))
     return out
 
 
-def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors", max_shard_size="5GB") -> bool:
+def save_16bit_model(view: CheckpointView, save_dir, save_filename: str = "model.safetensors",
+                     max_shard_size="5GB") -> bool:
     """Collective. Write the compute-dtype model as HF safetensors (sharded with an index when large).
 
     Shards are planned from shapes alone (``split_torch_state_dict_into_shards`` on meta tensors); then, shard by
@@ -397,61 +431,74 @@ def save_16bit_model(engine, save_dir, save_filename: str = "model.safetensors",
     """
     from huggingface_hub import split_torch_state_dict_into_shards
 
-    if engine.stage == 3 and not engine.config.zero.gather_16bit_weights_on_model_save:
+    if view.stage == 3 and not view.gather_16bit_weights_on_model_save:
         return False
     save_dir = Path(save_dir)
-    entries = _export_entries(engine)
+    entries = _export_entries(view)
     meta = {n: torch.empty(_shape(t), dtype=t.dtype, device="meta") for n, t in entries}
     stem, dot, ext = save_filename.rpartition(".")
     pattern = f"{stem}{{suffix}}.{ext}" if dot else f"{save_filename}{{suffix}}"
     split = split_torch_state_dict_into_shards(meta, filename_pattern=pattern, max_shard_size=max_shard_size)
     by_name = dict(entries)
-    if comm.rank() == 0:
+    if view.rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
     for fname, names in split.filename_to_tensors.items():
-        indices = [t._zero_index for t in (by_name[n] for n in names) if t.__dict__.get("_zero_mgr") is engine.mgr]
-        ctx = engine.mgr.gathered(indices) if engine.stage == 3 and indices else _null()
+        indices = [t._zero_index for t in (by_name[n] for n in names) if t.__dict__.get("_zero_mgr") is view.mgr]
+        ctx = view.mgr.gathered(indices) if view.stage == 3 and indices else contextlib.nullcontext()
         with ctx:
-            if comm.rank() == 0:
+            if view.rank == 0:
                 shard = {n: by_name[n].detach().to("cpu").contiguous().clone() for n in names}
                 save_file(shard, str(save_dir / fname), metadata={"format": "pt"})
-    if comm.rank() == 0 and split.is_sharded:
+    if view.rank == 0 and split.is_sharded:
         index = {"metadata": split.metadata, "weight_map": split.tensor_to_filename}
-        _write_durable(save_dir / f"{save_filename}.index.json", json.dumps(index, indent=2).encode())
+        spec.write_durable(save_dir / f"{save_filename}.index.json", json.dumps(index, indent=2).encode())
     comm.barrier()
     return True
 
 
-class _null:
-    def __enter__(self):
-        return self
+def _gather_flat(view: CheckpointView, flats: list[torch.Tensor]) -> list[torch.Tensor]:
+    """Collective. Every rank's flat fp32 partition of each group (one all-gather per group): ``[g][rank]`` views."""
+    if view.stage == 0:
+        return [f.detach().cpu().view(1, -1) for f in flats]
+    out = []
+    for flat in flats:
+        dev = flat.detach().to(view.device, torch.float32)
+        full = torch.empty(dev.numel() * view.world_size, dtype=torch.float32, device=view.device)
+        comm.all_gather_(full, dev)
+        out.append(full.cpu().view(view.world_size, -1))
+    return out
 
-    def __exit__(self, *exc):
-        return False
+
+def _unflatten(view: CheckpointView, fulls: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Full trainable parameters (fp32, by name) from every rank's flat partitions (``_gather_flat``)."""
+    table, out = view.table, {}
+    for i, (name, shape) in enumerate(zip(view.param_names, view.param_shapes)):
+        flat = torch.empty(table.numels[i], dtype=torch.float32)
+        for f in table.fragments(i):
+            flat[f.dest: f.dest + f.numel] = fulls[f.group][f.rank][f.partition_offset: f.partition_offset + f.numel]
+        out[name] = flat.view(shape)
+    return out
 
 
 @torch.no_grad()
-def gather_fp32_state_dict(engine) -> dict[str, torch.Tensor]:
+def gather_fp32_state_dict(view: CheckpointView) -> dict[str, torch.Tensor]:
     """Collective. Full fp32 masters (one all-gather per group), frozen params and buffers, on every rank (CPU)."""
-    table, ws = engine.table, comm.world_size()
-    fulls = []
-    for master in engine.optimizer.masters:
-        if engine.stage == 0:
-            fulls.append(master.detach().cpu())
-            continue
-        dev = master.to(engine.device)
-        full = torch.empty(dev.numel() * ws, dtype=torch.float32, device=engine.device)
-        comm.all_gather_(full, dev)
-        fulls.append(full.cpu().view(ws, -1))
-    out = {}
-    for i, (name, p) in enumerate(zip(engine.param_names, engine.trainable)):
-        flat = torch.empty(table.numels[i], dtype=torch.float32)
-        for f in table.fragments(i):
-            src = fulls[f.group] if engine.stage == 0 else fulls[f.group][f.rank]
-            flat[f.dest: f.dest + f.numel] = src[f.partition_offset: f.partition_offset + f.numel]
-        out[name] = flat.view(_shape(p))
-    for k, name in enumerate(engine.frozen_names):
-        out[name] = frozen_value(engine, k).detach().cpu().clone()
-    for name, buf in _named_buffers(engine.module):
+    out = _unflatten(view, _gather_flat(view, view.optimizer.masters))
+    for k, name in enumerate(view.frozen_names):
+        out[name] = frozen_value(view, k).detach().cpu().clone()
+    for name, buf in _named_buffers(view.module):
         out[name] = buf.detach().cpu().clone()
+    return out
+
+
+@torch.no_grad()
+def gather_optimizer_state(view: CheckpointView) -> dict:
+    """Collective. ``{"step": [per group], key: {param name: full fp32 tensor}}`` for every per-parameter state key
+    (Adam: exp_avg, exp_avg_sq), on every rank (CPU); for tests and small models."""
+    tensors = view.optimizer.state_tensors()
+    groups = range(len(view.optimizer.masters))
+    out: dict = {"step": [float(tensors[f"group{g}.step"]) if f"group{g}.step" in tensors else None for g in groups]}
+    for key in view.optimizer.state_keys():
+        flats = [tensors[spec.state_key(g, key)] for g in groups]
+        out[key] = _unflatten(view, _gather_flat(view, flats))
     return out

@@ -150,6 +150,19 @@ class ShardedOptimizer:
             self.swapper.swap_out(self.inner)
         return out
 
+    @property
+    def kind(self) -> str:
+        """The inner optimizer's class, as checkpoints record it: "adamw" (decoupled weight decay) or "adam"."""
+        return type(self.inner).__name__.lower()
+
+    def state_keys(self) -> tuple[str, ...]:
+        """The per-parameter state tensors held now (Adam: exp_avg, exp_avg_sq; none before the first step), each
+        shaped like the master partition; ``step`` is per group and not listed."""
+        keys: dict[str, None] = {}
+        for m in self.masters:
+            keys.update((k, None) for k in self.inner.state.get(m, {}) if k != "step")
+        return tuple(keys)
+
     def hparams(self) -> list[dict]:
         return [{k: (list(g[k]) if k == "betas" else g[k]) for k in HPARAM_KEYS} for g in self.param_groups]
 
