@@ -50,6 +50,12 @@ def train_worker(rank: int, world_size: int, out: Path, stage: int, dtype: str) 
 
 
 def resume_worker(rank: int, world_size: int, out: Path, stage: int, dtype: str, ckpt: str) -> None:
+    from engine import reshard_load
+
+    def _not_fast(*args, **kwargs):
+        raise AssertionError("the resharded checkpoint should load by the fast path")
+
+    reshard_load.load_resharded = _not_fast  # the layout zckpt wrote must be exactly this engine's
     eng = _engine(stage, world_size, dtype, 99)  # another init: everything must come from the checkpoint
     eng.load_checkpoint(ckpt)
     loaded = {k: v.tolist() for k, v in eng.fp32_state_dict().items()}
