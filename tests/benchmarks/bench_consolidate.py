@@ -32,10 +32,14 @@ MODELS = {  # name: (hidden, intermediate, layers, heads, vocab) ~ parameter cou
 CONFIGS = {"zero2-fp32": (2, "fp32"), "zero3-bf16": (3, "bf16")}
 
 
-def worker(out: str, model: str, stage: int, dtype: str) -> None:
-    """torchrun entry: build the model, take one DeepSpeed step, save the checkpoint."""
+def worker(out: str, model: str, stage: int, dtype: str, universal_info: bool = False) -> None:
+    """torchrun entry: build the model, take one DeepSpeed step, save the checkpoint.
+
+    ``universal_info``: also save ``universal_checkpoint_info`` (DeepSpeed reads it from the module attribute of
+    that name and stores it in the model-states file), which ``ds_to_universal`` needs at stages 1-2."""
     import deepspeed
     import torch
+    from deepspeed.checkpoint import constants
     from transformers import LlamaConfig, LlamaForCausalLM
 
     deepspeed.init_distributed(dist_backend="gloo")
@@ -54,6 +58,9 @@ def worker(out: str, model: str, stage: int, dtype: str) -> None:
             model_ = LlamaForCausalLM(cfg)
     else:
         model_ = LlamaForCausalLM(cfg)
+    if universal_info:  # no tensor/pipeline parallelism: the version alone is the whole info
+        setattr(model_, constants.UNIVERSAL_CHECKPOINT_INFO,
+                {constants.UNIVERSAL_CHECKPOINT_VERSION_KEY: constants.UNIVERSAL_CHECKPOINT_VERSION_VALUE})
     engine, *_ = deepspeed.initialize(model=model_, model_parameters=model_.parameters(), config=ds)
     ids = torch.randint(0, vocab, (1, 8))
     engine.backward(engine(input_ids=ids, labels=ids).loss)
@@ -63,14 +70,16 @@ def worker(out: str, model: str, stage: int, dtype: str) -> None:
         cfg.to_json_file(os.path.join(out, "config.json"))
 
 
-def build(work: Path, model: str, config: str) -> Path:
-    out = work / f"{model}-{config}"
+def build(work: Path, model: str, config: str, universal_info: bool = False) -> Path:
+    """The checkpoint's save dir, built unless already there (``universal_info``: a separate ``-uc`` dir)."""
+    out = work / f"{model}-{config}{'-uc' if universal_info else ''}"
     if (out / "latest").is_file():
         return out
     stage, dtype = CONFIGS[config]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     subprocess.run(["torchrun", "--nproc_per_node", "2", "--master_port", str(29600 + stage), str(HERE),
-                    "--worker", str(out), model, str(stage), dtype], check=True, env=env)
+                    "--worker", str(out), model, str(stage), dtype, *(["universal"] if universal_info else [])],
+                   check=True, env=env)
     return out
 
 
@@ -117,7 +126,7 @@ def measure(ckpt: Path, work: Path, repeats: int) -> dict[str, dict[str, float]]
 
 def main() -> None:
     if len(sys.argv) > 1 and sys.argv[1] == "--worker":
-        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5])
+        worker(sys.argv[2], sys.argv[3], int(sys.argv[4]), sys.argv[5], universal_info=sys.argv[6:] == ["universal"])
         return
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--work", type=Path, default=Path("/tmp/zckpt-bench"))
