@@ -93,8 +93,8 @@ _ZERO_KEYS = {
         "stage3_model_persistence_threshold", "save_muon_momentum_buffer_in_memory")},
     "ignore_unused_parameters": _i("unused parameters are always tolerated"),
     "parameter_alignment": _i("flat-buffer padding; our checkpoints record their own layout"),
-    "elastic_checkpoint": _i("legacy checkpoint-layout flag; our checkpoints record their own layout, `zckpt "
-                             "reshard` converts one to another world size (resharding at load: zckpt issue #6)"),
+    "elastic_checkpoint": _i("legacy checkpoint-layout flag; our checkpoints record their own layout and load at "
+                             "another world size or stage (resharded while loading, or offline by `zckpt reshard`)"),
     "cpu_offload_use_pin_memory": _i("deprecated; offload_*.pin_memory is what counts"),
     "aio": _i("libaio tuning (misplaced here in the HF ZeRO-Infinity example; DeepSpeed wants it top-level)"),
     "load_from_fp32_weights": _d(_missing("re-deriving fp32 master weights from the 16-bit ones"), True),
@@ -127,7 +127,8 @@ _CHECKPOINT_KEYS = {
     "tag_validation": _i("our manifests verify tags themselves"),
     "parallel_write": _i(_PERF),
     "use_node_local_storage": _d(_missing("node-local checkpoint storage"), False),
-    "load_universal": _d(_missing("loading DeepSpeed universal checkpoints"), False),
+    "load_universal": _d(_missing("loading DeepSpeed universal checkpoints (DeepSpeed ZeRO checkpoints load "
+                                  "directly)"), False),
     "writer": _d(_missing("custom checkpoint writers"), None),
 }
 _DATA_TYPES_KEYS = {
