@@ -15,6 +15,7 @@ from pathlib import Path
 
 from .errors import InvalidArgumentError
 from .plan import CheckpointPlan
+from .assemble import default_workers
 from .readers import open_plan
 
 #: the engine's default ``zero_optimization.reduce_bucket_size`` (engine/config.py)
@@ -99,13 +100,18 @@ def resolve_target(plan: CheckpointPlan, world_size: int, stage: int | None, red
     return Target(world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size)
 
 
+def _io_workers() -> int:
+    """Writer threads: the work is I/O (positioned reads, sequential writes; sha256 and syscalls release the GIL),
+    so more threads than cores keep the disk busy: 8 measured 1.6x faster than 2 on a 2-core box (docs/benchmarks)."""
+    return max(8, default_workers())
+
+
 def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | None = None,
             reduce_bucket_size: int | None = None, config: str | Path | None = None, tag: str | None = None,
             overwrite: bool = False, quiet: bool = True, workers: int | None = None) -> ReshardResult:
     """Write SRC's training state as an engine-native checkpoint for ``world_size`` ranks into OUT."""
     from tqdm.auto import tqdm
 
-    from .assemble import default_workers
     from .outdir import check_output, staged_output
     from .writers import WRITERS
     from .writers.engine_native import layout_for, require_training_state
@@ -123,7 +129,7 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     with staged_output(out, overwrite) as staging, \
             tqdm(total=writer.total_bytes(plan, target=target), unit="B", unit_scale=True, unit_divisor=1024,
                  desc="reshard", disable=quiet) as bar:
-        manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or default_workers())
+        manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
     return ReshardResult(
         source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,
         from_world_size=plan.world_size, to_world_size=target.world_size, from_stage=plan.stage,

@@ -96,8 +96,8 @@ def reshard(
     = None,
     tag: TagOpt = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Writer threads (default: by CPU count).")]
-    = None,
+    workers: Annotated[Optional[int], typer.Option("--workers", help="Writer threads (default: 8, or the CPU count "
+                                                                     "if higher).")] = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
