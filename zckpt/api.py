@@ -29,6 +29,7 @@ class ConsolidateResult:
     tied: dict[str, str]
     bytes_written: int
     seconds: float
+    push: dict | None = None  # zckpt.hub.PushResult.to_dict() with push_to
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -36,10 +37,12 @@ class ConsolidateResult:
 
 def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" = "bf16", tag: str | None = None,
                 max_shard_size: int | str = "5GB", exclude_frozen: bool = False, overwrite: bool = False,
-                quiet: bool = True, workers: int | None = None) -> ConsolidateResult:
+                quiet: bool = True, workers: int | None = None, push_to: str | None = None) -> ConsolidateResult:
     """Write SRC's weights as an HF-loadable folder OUT (safetensors at ``dtype``, config and tokenizer copied).
 
-    Everything is validated before the first byte is written; OUT appears only when complete.
+    Everything is validated before the first byte is written; OUT appears only when complete. With ``push_to``
+    (a Hub repo id), the token is checked first, OUT also gets ``zckpt.json`` (the training facts for the model
+    card) and is then pushed and verified by :func:`zckpt.hub.push`.
     """
     from tqdm.auto import tqdm
 
@@ -54,17 +57,47 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     _check_config(plan.model_dir)
+    if push_to is not None:
+        from .hub import check_can_push
+
+        check_can_push(push_to)
     writer = WRITERS["hf"]
     with staged_output(out, overwrite) as staging, \
             tqdm(total=writer.total_bytes(plan), unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate",
                  disable=quiet) as bar:
         written = writer.write(plan, staging, bar.update, dtype=dtype, max_shard_size=max_shard_size,
                                workers=workers)
-    return ConsolidateResult(
+        if push_to is not None:
+            _write_facts(staging, plan, written, dtype)
+    result = ConsolidateResult(
         source=plan.source, tag=plan.tag, out=str(out), dtype=dtype or "as stored",
         files=written.files, copied=written.copied, tensors=written.tensors, parameters=written.parameters,
         tied=dict(plan.aliases), bytes_written=written.bytes_written,
         seconds=round(time.perf_counter() - started, 3))
+    if push_to is not None:
+        result.push = _push(out, push_to, quiet)
+    return result
+
+
+def _write_facts(folder: Path, plan, written, dtype: str | None) -> None:
+    from . import __version__
+    from .hub import write_facts
+
+    write_facts(folder, {
+        "source_format": plan.format, "source_version": plan.version, "zero_stage": plan.stage,
+        "world_size": plan.world_size, "train_dtype": plan.train_dtype, "step": plan.step, "tag": plan.tag,
+        "dtype": dtype, "parameters": written.parameters, "tensors": written.tensors,
+        "tied": dict(plan.aliases), "written_by": f"zckpt {__version__}"})
+
+
+def _push(out: Path, repo_id: str, quiet: bool) -> dict:
+    from .errors import HubError
+    from .hub import push
+
+    try:
+        return push(out, repo_id, quiet=quiet).to_dict()
+    except HubError as exc:  # OUT is complete and stays: say how to retry only the push
+        raise type(exc)(f"{exc} (the model is in {out}: push it again with `zckpt push {out} {repo_id}`)") from exc
 
 
 _SIZE_RE = re.compile(r"^\s*(\d+(?:\.\d+)?)\s*([KMGT]i?B|B)?\s*$", re.IGNORECASE)

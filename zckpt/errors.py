@@ -39,3 +39,24 @@ class OutputExistsError(ZckptError):
 
 class InvalidArgumentError(ZckptError):
     """A flag or argument value is invalid."""
+
+
+class ModelFolderError(ZckptError):
+    """FOLDER is not a complete consolidated model, or holds something that must not be pushed (a link leaving it)."""
+
+
+class HubError(ZckptError):
+    """The Hub (or the way to it) failed: network, a server error, a failure mid-upload; the message says whether
+    anything was committed."""
+
+
+class HubAuthError(HubError):
+    """No token, an invalid one (401), or one that may not write to the repository (403)."""
+
+
+class HubNotFoundError(HubError):
+    """The repository or revision does not exist (404) and is not being created."""
+
+
+class HubVerifyError(HubError):
+    """The commit landed but its files do not match the local ones (name, size or hash)."""

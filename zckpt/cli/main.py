@@ -56,6 +56,9 @@ def consolidate(
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
     workers: Annotated[Optional[int], typer.Option("--workers", help="Reader threads (default: by CPU count).")]
     = None,
+    push_to: Annotated[Optional[str], typer.Option("--push-to", help="Then push OUT to this Hub repository and "
+                                                                    "verify it, as `zckpt push OUT REPO_ID`.")]
+    = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
@@ -63,7 +66,8 @@ def consolidate(
     from ..api import consolidate as run
 
     result = run(src, out, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
-                 exclude_frozen=exclude_frozen, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+                 exclude_frozen=exclude_frozen, overwrite=overwrite, quiet=quiet or as_json, workers=workers,
+                 push_to=push_to)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
@@ -75,6 +79,10 @@ def consolidate(
     print(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
     if result.copied:
         print(f"  copied: {', '.join(result.copied)}")
+    if result.push is not None:
+        from ..hub import PushResult, render
+
+        print("\n".join(render(PushResult(**result.push))))
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
@@ -117,6 +125,38 @@ def reshard(
           f"[{result.seconds:.2f}s]")
     print(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
           f"{result.to_world_size}, ZeRO stage {result.from_stage} -> {result.to_stage}")
+
+
+@app.command(epilog="Examples:\n\n\b\n  zckpt push model-bf16/ user/my-model --dry-run\n"
+                    "  zckpt push model-bf16/ user/my-model --private\n"
+                    "  zckpt push model-bf16/ org/my-model --revision step-500 --create-pr --json")
+def push(
+    folder: Annotated[Path, typer.Argument(help="Consolidated model folder (OUT of zckpt consolidate).",
+                                           show_default=False)],
+    repo_id: Annotated[str, typer.Argument(help="Hub repository, e.g. user/model (created if missing).",
+                                           show_default=False)],
+    private: Annotated[bool, typer.Option("--private", help="Create the repository private.")] = False,
+    revision: Annotated[Optional[str], typer.Option("--revision", help="Branch to push to (created if missing; "
+                                                                       "default main).")] = None,
+    commit_message: Annotated[Optional[str], typer.Option("--commit-message", help="Commit title.")] = None,
+    create_pr: Annotated[bool, typer.Option("--create-pr", help="Open a pull request instead of committing to "
+                                                                "the branch.")] = False,
+    token: Annotated[Optional[str], typer.Option("--token", help="Hub token (default: HF_TOKEN, then the stored "
+                                                                 "login).")] = None,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Show what would be pushed; touch nothing remote.")]
+    = False,
+    overwrite_card: Annotated[bool, typer.Option("--overwrite-card", help="Replace the repository's README.md "
+                                                                          "with this folder's card.")] = False,
+    quiet: QuietOpt = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Push a consolidated model to the Hugging Face Hub: allowlisted files only, a model card, verified commit."""
+    from ..hub import push as run, render
+
+    result = run(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
+                 create_pr=create_pr, token=token, dry_run=dry_run, overwrite_card=overwrite_card,
+                 quiet=quiet or as_json)
+    print(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(render(result)))
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt inspect ckpts/\n  zckpt inspect out/checkpoint-500 --json")
