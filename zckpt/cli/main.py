@@ -32,6 +32,16 @@ TagOpt = Annotated[Optional[str], typer.Option("--tag", help="Tag folder to read
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JSON instead of text.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
+OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")]
+
+
+def _out_arg(what: str):
+    return Annotated[Path, typer.Argument(help=f"{what} (must not exist or be empty, unless --overwrite).",
+                                          show_default=False)]
+
+
+def _workers_opt(help: str):
+    return Annotated[Optional[int], typer.Option("--workers", help=help)]
 
 
 @app.callback()
@@ -44,8 +54,7 @@ def _root(debug: DebugOpt = False) -> None:
                     "  zckpt consolidate ckpts/global_step100 fp32/ --dtype fp32 --json")
 def consolidate(
     src: SrcArg,
-    out: Annotated[Path, typer.Argument(help="Output folder (must not exist or be empty, unless --overwrite).",
-                                        show_default=False)],
+    out: _out_arg("Output folder"),
     dtype: Annotated[str, typer.Option("--dtype", help="Output dtype of floating tensors: bf16, fp16 or fp32.")]
     = "bf16",
     tag: TagOpt = None,
@@ -53,9 +62,8 @@ def consolidate(
     = "5GB",
     exclude_frozen: Annotated[bool, typer.Option("--exclude-frozen", help="Drop frozen (requires_grad=False) "
                                                                           "parameters.")] = False,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Reader threads (default: by CPU count).")]
-    = None,
+    overwrite: OverwriteOpt = False,
+    workers: _workers_opt("Reader threads (default: by CPU count).") = None,
     push_to: Annotated[Optional[str], typer.Option("--push-to", help="Then push OUT to this Hub repository and "
                                                                     "verify it, as `zckpt push OUT REPO_ID`.")]
     = None,
@@ -90,8 +98,7 @@ def consolidate(
                     "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json")
 def reshard(
     src: SrcArg,
-    out: Annotated[Path, typer.Argument(help="Output save dir (must not exist or be empty, unless --overwrite).",
-                                        show_default=False)],
+    out: _out_arg("Output save dir"),
     world_size: Annotated[int, typer.Option("--world-size", "-n", help="Number of ranks that will resume from OUT.",
                                             show_default=False)],
     stage: Annotated[Optional[int], typer.Option("--stage", help="ZeRO stage of the resuming run (default: "
@@ -103,9 +110,8 @@ def reshard(
                                                                     "(its zero_optimization stage and buckets).")]
     = None,
     tag: TagOpt = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")] = False,
-    workers: Annotated[Optional[int], typer.Option("--workers", help="Writer threads (default: 8, or the CPU count "
-                                                                     "if higher).")] = None,
+    overwrite: OverwriteOpt = False,
+    workers: _workers_opt("Writer threads (default: 8, or the CPU count if higher).") = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
