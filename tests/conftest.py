@@ -40,3 +40,16 @@ def copy_fixture(tmp_path):
         return dst
 
     return _copy
+
+
+def cli(capsys, *args) -> tuple[int, str, str]:
+    """Run the ``zckpt`` CLI in-process: (exit code, stdout, stderr)."""
+    from zckpt.cli.main import main
+
+    try:
+        main([str(a) for a in args])
+        code = 0
+    except SystemExit as exc:
+        code = exc.code or 0
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err

@@ -8,18 +8,9 @@ import sys
 
 import pytest
 
-from zckpt.cli.main import main
-from conftest import FIXTURES
+from conftest import FIXTURES, cli
 
 
-def cli(capsys, *args):
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def test_inspect_json(capsys):

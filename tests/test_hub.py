@@ -18,9 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from conftest import FIXTURES, ROOT
+from conftest import FIXTURES, ROOT, cli
 from hub_server import LocalHub
-from zckpt.cli.main import main
 
 SRC = FIXTURES / "z2_fp32_ws1_untied" / "ckpt"
 CONFIG = FIXTURES / "z2_fp32_ws1_untied" / "config.json"
@@ -73,14 +72,6 @@ def env(hub, monkeypatch, tmp_path) -> dict[str, str]:
     return {**os.environ, **values}
 
 
-def cli(capsys, *args) -> tuple[int, str, str]:
-    try:
-        main([str(a) for a in args])
-        code = 0
-    except SystemExit as exc:
-        code = exc.code or 0
-    captured = capsys.readouterr()
-    return code, captured.out, captured.err
 
 
 def zckpt_subprocess(env: dict[str, str], *args) -> subprocess.CompletedProcess:
