@@ -128,7 +128,7 @@ def test_out_not_empty_needs_overwrite(capsys, tmp_path):
     assert (out / "keep.txt").read_text() == "mine"
     code, _ = run_cli(capsys, "consolidate", FIXTURES / "z1_fp32_ws1_tied" / "ckpt", out, "--quiet", "--overwrite")
     assert code in (0, None)
-    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors"]
+    assert sorted(p.name for p in out.iterdir()) == ["model.safetensors", "zckpt.json"]
 
 
 def test_out_inside_source_is_refused(capsys, copy_fixture):

@@ -40,9 +40,10 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
                 quiet: bool = True, workers: int | None = None, push_to: str | None = None) -> ConsolidateResult:
     """Write SRC's weights as an HF-loadable folder OUT (safetensors at ``dtype``, config and tokenizer copied).
 
-    Everything is validated before the first byte is written; OUT appears only when complete. With ``push_to``
-    (a Hub repo id), the token is checked first, OUT also gets ``zckpt.json`` (the training facts for the model
-    card) and is then pushed and verified by :func:`zckpt.hub.push`.
+    Everything is validated before the first byte is written; OUT appears only when complete. OUT also gets
+    ``zckpt.json``: what the checkpoint said about its training (source format, stage, world size, step, ...), which
+    ``zckpt push`` puts on the model card. With ``push_to`` (a Hub repo id), the token is checked first and OUT is
+    then pushed and verified by :func:`zckpt.hub.push`.
     """
     from tqdm.auto import tqdm
 
@@ -67,8 +68,7 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
                  disable=quiet) as bar:
         written = writer.write(plan, staging, bar.update, dtype=dtype, max_shard_size=max_shard_size,
                                workers=workers)
-        if push_to is not None:
-            _write_facts(staging, plan, written, dtype)
+        _write_facts(staging, plan, written, dtype)
     result = ConsolidateResult(
         source=plan.source, tag=plan.tag, out=str(out), dtype=dtype or "as stored",
         files=written.files, copied=written.copied, tensors=written.tensors, parameters=written.parameters,
