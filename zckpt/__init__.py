@@ -1,4 +1,4 @@
-"""zckpt: the ZeRO checkpoint lifecycle — read DeepSpeed and engine checkpoints, consolidate, inspect.
+"""zckpt: the ZeRO checkpoint lifecycle — read DeepSpeed and engine checkpoints, consolidate, reshard, push, inspect.
 
 Importing ``zckpt`` is cheap: torch is imported only by the functions that do tensor work.
 """
@@ -16,6 +16,9 @@ _LAZY = {
     "ConsolidateResult": "zckpt.api",
     "open_plan": "zckpt.readers",
     "inspect": "zckpt.report",
+    "reshard": "zckpt.reshard",
+    "ReshardResult": "zckpt.reshard",
+    "push": "zckpt.hub",
 }
 
 
