@@ -80,6 +80,9 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--no-weights", action="store_true")
     ap.add_argument("--zero-json", default=None, help="extra zero_optimization keys, as JSON")
+    ap.add_argument("--load", default=None, help="load_checkpoint(DIR) before training (resume)")
+    ap.add_argument("--start-step", type=int, default=0, help="skip this many global batches of the data stream")
+    ap.add_argument("--save", default=None, help="save_checkpoint(DIR) after training")
     args = ap.parse_args()
 
     import torch
@@ -96,8 +99,12 @@ def main() -> None:
     eng, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(),
                                   config=config(args.stage, args.dtype, args.micro, args.clip,
                                                 json.loads(args.zero_json) if args.zero_json else None))
+    if args.load:
+        eng.load_checkpoint(args.load)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"
     g = torch.Generator().manual_seed(1234)
+    for _ in range(args.start_step):  # the global batches an earlier run trained on (same global batch size)
+        torch.randint(0, vocab, (args.micro * world, args.seq), generator=g)
     losses, times = [], []
     for _ in range(args.steps):
         ids = torch.randint(0, vocab, (args.micro * world, args.seq), generator=g)
@@ -112,6 +119,8 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    if args.save:
+        eng.save_checkpoint(args.save)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"losses.rank{rank}.json").write_text(json.dumps({
