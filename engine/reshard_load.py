@@ -219,21 +219,38 @@ def _read_partitions(view: CheckpointView, plan, matched: _Matched, with_state: 
     table = view.table
     sizes = [table.group_partition_numel[g] for g in range(len(view.optimizer.masters))]
     keys = plan.training.state_keys if with_state else ()
-    masters = [torch.zeros(n, dtype=torch.float32) for n in sizes]
-    states = {key: [torch.zeros(n, dtype=torch.float32) for n in sizes] for key in keys}
+    masters = [torch.empty(n, dtype=torch.float32) for n in sizes]  # every element is read or zeroed below
+    states = {key: [torch.empty(n, dtype=torch.float32) for n in sizes] for key in keys}
+    covered: list[list[tuple[int, int]]] = [[] for _ in sizes]
     files = FileCache()
     try:
         for i, f in table.rank_fragments(view.table_rank):
             if i >= view.n_trainable:  # stage 3's partitioned frozen parameters: restored whole, by name
                 continue
             src, lo, hi = matched.params[i], f.partition_offset, f.partition_offset + f.numel
+            covered[f.group].append((lo, hi))
             _read_range(src, files, f.dest, f.numel, masters[f.group][lo:hi])
             for key in keys:
                 _read_range(src.state_tensor(key), files, f.dest, f.numel, states[key][f.group][lo:hi])
+        for g, spans in enumerate(covered):  # padding: exactly zero, as the engine keeps it
+            for lo, hi in _gaps(sorted(spans), sizes[g]):
+                for flat in [masters[g], *(states[key][g] for key in keys)]:
+                    flat[lo:hi].zero_()
         steps = [_step(plan, s, files) for s in matched.group_map] if with_state else []
     finally:
         files.close()
     return masters, states, steps
+
+
+def _gaps(spans: list[tuple[int, int]], size: int):
+    """The element ranges of ``[0, size)`` that no span covers (spans sorted, non-overlapping)."""
+    pos = 0
+    for lo, hi in spans:
+        if lo > pos:
+            yield pos, lo
+        pos = max(pos, hi)
+    if pos < size:
+        yield pos, size
 
 
 def _read_range(tplan, files, start: int, count: int, out: torch.Tensor) -> None:

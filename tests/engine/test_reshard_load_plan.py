@@ -144,3 +144,12 @@ def test_match_groups_and_frozen_in_the_checkpoint():
     with pytest.raises(CheckpointError, match="frozen in the checkpoint but trainable"):
         _match(view, _plan(frozen_there), True)
     assert _match(view, _plan(frozen_there), False).params[0].kind == "frozen"  # weights only: fine
+
+
+def test_gaps_are_the_padding():
+    from engine.reshard_load import _gaps
+
+    assert list(_gaps([(0, 3), (5, 8)], 10)) == [(3, 5), (8, 10)]
+    assert list(_gaps([(2, 4)], 4)) == [(0, 2)]
+    assert list(_gaps([], 3)) == [(0, 3)]
+    assert list(_gaps([(0, 3)], 3)) == []
