@@ -53,3 +53,12 @@ def cli(capsys, *args) -> tuple[int, str, str]:
         code = exc.code or 0
     captured = capsys.readouterr()
     return code, captured.out, captured.err
+
+
+def skip_unless_deepspeed_fp16() -> None:
+    """DeepSpeed's CPU accelerator refuses fp16 on CPUs without native fp16 support ("fp16 is not supported on your
+    device"), and its zero.Init then picks bf16: tests comparing against DeepSpeed in fp16 are skipped there."""
+    from deepspeed.accelerator import get_accelerator
+
+    if not get_accelerator().is_fp16_supported():
+        pytest.skip(f"DeepSpeed says fp16 is not supported on this {get_accelerator().device_name()} device")

@@ -20,6 +20,11 @@ pytestmark = pytest.mark.deepspeed
 def test_fresh_checkpoint_matches_installed_deepspeed(tmp_path, name):
     pytest.importorskip("deepspeed")
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
+
+    if "fp16" in name:
+        from conftest import skip_unless_deepspeed_fp16
+
+        skip_unless_deepspeed_fp16()
     from safetensors import safe_open
 
     import zckpt

@@ -309,8 +309,11 @@ def test_init_dtype_rule_is_deepspeeds(config, dtype, want):
     from deepspeed.runtime.config import DeepSpeedConfig
     from deepspeed.runtime.zero.partition_parameters import InsertPostInitMethodToModuleSubClasses
 
+    from conftest import skip_unless_deepspeed_fp16
     from engine.zero.init import init_dtype
 
+    if (config.get("fp16") or {}).get("enabled") is True or torch.float16 in (dtype, want):
+        skip_unless_deepspeed_fp16()
     probe = object.__new__(InsertPostInitMethodToModuleSubClasses)
     InsertPostInitMethodToModuleSubClasses._set_dtype(probe, DeepSpeedConfig({**STAGE3, **config}), dtype)
     assert probe.dtype == want == init_dtype({**STAGE3, **config}, dtype)
