@@ -43,10 +43,11 @@ from typing import Any, Iterator
 
 from .errors import (HubAuthError, HubError, HubNotFoundError, HubVerifyError, InvalidArgumentError,
                      ModelFolderError)
-from .plan import DTYPE_SIZES, DTYPES_BY_SAFETENSORS_CODE, FLOAT_DTYPES
+from .plan import FLOAT_DTYPES
+from .safetensors_header import HeaderError, read_header
 from .writers.hf_safetensors import _CODE_FILE_RE, INDEX_NAME, MODEL_FILES, WEIGHTS_NAME
 
-#: Beside the weights, written by ``zckpt consolidate`` (with ``--push-to``): the training facts for the card.
+#: Beside the weights, written by ``zckpt consolidate``: the training facts for the card.
 FACTS_NAME = "zckpt.json"
 CARD_NAME = "README.md"
 #: Remote files that are weights of *a* model: deleted when this push does not include them.
@@ -54,7 +55,6 @@ STALE_WEIGHTS = ("model*.safetensors", "model.safetensors.index.json", "pytorch_
                  "pytorch_model.bin.index.json")
 PICKLE_SUFFIXES = (".pt", ".pth", ".bin", ".pkl", ".pickle", ".ckpt")
 HUB_MAX_FILE = 50 * 10**9  # the Hub refuses larger LFS objects
-_MAX_HEADER = 100 * 2**20
 
 
 @dataclass(frozen=True)
@@ -184,45 +184,31 @@ def _weight_files(folder: Path, root: Path) -> tuple[list[UploadFile], int, str 
         tensors.update(header)
         files.append(UploadFile(shard, "weights", resolved.stat().st_size, resolved))
     total = (index_data.get("metadata") or {}).get("total_size")
-    data_bytes = sum(end - begin for (begin, end), _, _ in tensors.values())
+    data_bytes = sum(t.end - t.begin for t in tensors.values())
     if total is not None and total != data_bytes:
         raise ModelFolderError(f"{index} says total_size {total} but its shards hold {data_bytes} bytes of tensors: "
                                "the index belongs to another model; re-run `zckpt consolidate`")
     return files + [UploadFile(INDEX_NAME, "index", index_path.stat().st_size, index_path)], *_count(tensors)
 
 
-def _check_safetensors(path: Path) -> dict[str, tuple[tuple[int, int], str, list[int]]]:
-    """Parse a safetensors header; the file's size must be exactly header + tensor bytes. name -> (offsets, dtype,
-    shape)."""
-    size = path.stat().st_size
-    with open(path, "rb") as fh:
-        head = fh.read(8)
-        length = int.from_bytes(head, "little") if len(head) == 8 else -1
-        raw = fh.read(length) if 0 < length <= _MAX_HEADER else b""
+def _check_safetensors(path: Path) -> dict:
+    """The file's tensors (``{name: TensorSpan}``), after checking its header and that the file is exactly header +
+    tensor bytes long."""
     try:
-        header = json.loads(raw)
-        header.pop("__metadata__", None)
-        tensors = {k: (tuple(v["data_offsets"]), v["dtype"], list(v["shape"])) for k, v in header.items()}
-    except (ValueError, TypeError, KeyError, AttributeError):
-        raise ModelFolderError(f"{path} is not a safetensors file (its header does not parse): copy it again or "
-                               "re-run `zckpt consolidate`") from None
-    end = max((offsets[1] for offsets, _, _ in tensors.values()), default=0)
-    if size != 8 + length + end:
-        raise ModelFolderError(f"{path} is {size} bytes but its header describes {8 + length + end}: truncated or "
+        data_start, tensors = read_header(path)
+    except HeaderError as exc:
+        raise ModelFolderError(f"{exc}: damaged; copy it again or re-run `zckpt consolidate`") from None
+    size, end = path.stat().st_size, max((t.end for t in tensors.values()), default=0)
+    if size != data_start + end:
+        raise ModelFolderError(f"{path} is {size} bytes but its header describes {data_start + end}: truncated or "
                                "damaged; copy it again or re-run `zckpt consolidate`")
-    for tensor, ((begin, stop), code, shape) in tensors.items():
-        dtype = DTYPES_BY_SAFETENSORS_CODE.get(code)
-        if dtype is not None and stop - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
-            raise ModelFolderError(f"{path}: tensor {tensor} has {stop - begin} bytes for shape {shape} {code}: "
-                                   "damaged; re-run `zckpt consolidate`")
     return tensors
 
 
 def _count(tensors: dict) -> tuple[int, str | None]:
     counts: dict[str, int] = {}
-    for _, code, shape in tensors.values():
-        dtype = DTYPES_BY_SAFETENSORS_CODE.get(code, code)
-        counts[dtype] = counts.get(dtype, 0) + math.prod(shape)
+    for t in tensors.values():
+        counts[t.dtype] = counts.get(t.dtype, 0) + math.prod(t.shape)
     floats = {d: n for d, n in counts.items() if d in FLOAT_DTYPES}
     return sum(counts.values()), max(floats, key=floats.get) if floats else None
 

@@ -12,57 +12,26 @@ tiling each tensor exactly (CheckpointCorruptError).
 
 from __future__ import annotations
 
-import json
-import struct
 from pathlib import Path
 
 from engine import checkpoint_format as spec
 from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
-from zckpt.plan import (DTYPE_SIZES, DTYPES_BY_SAFETENSORS_CODE, CheckpointPlan, Fragment, OptimizerGroup, SourceFile,
+from zckpt.safetensors_header import HeaderError, read_header
+from zckpt.plan import (DTYPE_SIZES, CheckpointPlan, Fragment, OptimizerGroup, SourceFile,
                         StatePlan, TensorPlan, TrainingState)
-
-_MAX_HEADER = 100 * 1024 * 1024
-
 
 def is_engine_checkpoint(tag_dir: Path) -> bool:
     """True when ``tag_dir`` holds an engine manifest (committed or not)."""
     return spec.is_ours(Path(tag_dir))
 
 
-def _header(path: Path, size: int) -> tuple[int, dict]:
-    """(absolute byte offset where tensor data starts, {key: (dtype, shape, begin, end)})."""
-    with open(path, "rb") as f:
-        raw = f.read(8)
-        if len(raw) != 8:
-            raise CheckpointIncompleteError(f"{path}: truncated safetensors file (no header); re-save the checkpoint")
-        (length,) = struct.unpack("<Q", raw)
-        if length > _MAX_HEADER or 8 + length > size:
-            raise CheckpointCorruptError(f"{path}: safetensors header length {length} exceeds the file; "
-                                         f"the file is damaged, use an earlier checkpoint")
-        try:
-            header = json.loads(f.read(length))
-        except ValueError:
-            raise CheckpointCorruptError(f"{path}: safetensors header is not JSON; use an earlier checkpoint") from None
-    data_start = 8 + length
-    tensors, spans = {}, []
-    for key, info in header.items():
-        if key == "__metadata__":
-            continue
-        begin, end = info["data_offsets"]
-        dtype = DTYPES_BY_SAFETENSORS_CODE.get(info["dtype"])
-        numel = 1
-        for d in info["shape"]:
-            numel *= d
-        if dtype is None or end - begin != numel * DTYPE_SIZES[dtype] or begin < 0 or data_start + end > size:
-            raise CheckpointCorruptError(f"{path}: tensor {key!r} has inconsistent dtype/shape/offsets; "
-                                         f"use an earlier checkpoint")
-        tensors[key] = (dtype, tuple(info["shape"]), begin, end)
-        spans.append((begin, end))
-    spans.sort()
-    for (_, e1), (s2, _) in zip(spans, spans[1:]):
-        if s2 < e1:
-            raise CheckpointCorruptError(f"{path}: tensors overlap in the safetensors header; use an earlier checkpoint")
-    return data_start, tensors
+def _header(path: Path) -> tuple[int, dict]:
+    """(absolute byte offset where tensor data starts, {key: TensorSpan}), as zckpt.safetensors_header checks it."""
+    try:
+        return read_header(path)
+    except HeaderError as exc:
+        error = CheckpointIncompleteError if exc.truncated else CheckpointCorruptError
+        raise error(f"{exc}; the file is damaged, use an earlier checkpoint") from None
 
 
 def _read_manifest(tag_dir: Path) -> spec.Manifest:
@@ -93,14 +62,15 @@ class _Files:
             if size != meta.size:
                 raise CheckpointIncompleteError(f"{path} is {size} bytes, the manifest says {meta.size}; the file "
                                                 f"is truncated or replaced, use an earlier tag")
-            self.headers[fname] = _header(path, size)
+            self.headers[fname] = _header(path)
         return self.headers[fname]
 
     def byte_offset(self, fname: str, key: str, offset: int, numel: int, dtype: str) -> int:
         data_start, tensors = self.check(fname)
         if key not in tensors:
             raise CheckpointCorruptError(f"{self.tag_dir / fname} has no tensor {key!r}; use an earlier tag")
-        t_dtype, _shape, begin, end = tensors[key]
+        span = tensors[key]
+        t_dtype, begin, end = span.dtype, span.begin, span.end
         size = DTYPE_SIZES[t_dtype]
         if t_dtype != dtype or begin + (offset + numel) * size > end or offset < 0:
             raise CheckpointCorruptError(f"{self.tag_dir / fname}: {key!r} is {t_dtype} with {(end - begin) // size} "
@@ -155,7 +125,7 @@ def _training(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Traini
             _, tensors = files.check(fname)
             key = spec.state_key(g, "step")
             if key in tensors:
-                dtype = tensors[key][0]
+                dtype = tensors[key].dtype
                 scalars = (TensorPlan("step", (), dtype, (Fragment(str(files.tag_dir / fname),
                                                                    files.byte_offset(fname, key, 0, 1, dtype), 1, 0),)),)
         groups.append(OptimizerGroup(g, dict(group.hparams), scalars))
