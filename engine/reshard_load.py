@@ -29,7 +29,7 @@ import torch
 
 from engine import checkpoint_format as spec
 from engine import comm
-from engine.checkpoint import (CheckpointError, CheckpointView, _persistent_buffer_names, _sha256,
+from engine.checkpoint import (CheckpointError, CheckpointView, _persistent_buffer_names, _verify_file,
                                finish_load, restore_frozen_and_buffers)
 
 logger = logging.getLogger("engine.checkpoint")
@@ -127,15 +127,9 @@ def _has_usable_state(plan) -> bool:
 
 def _verify_my_share(view: CheckpointView, tag_dir: Path, manifest: spec.Manifest) -> None:
     """Check size and sha256 of the engine checkpoint's files, file k on rank k % world size."""
-    for k, (fname, meta) in enumerate(sorted(manifest.files.items())):
-        if k % view.world_size != view.rank:
-            continue
-        path = tag_dir / fname
-        if not path.is_file():
-            raise CheckpointError(f"{path} is missing; the checkpoint is incomplete: load an earlier tag")
-        if path.stat().st_size != meta.size or _sha256(path) != meta.sha256:
-            raise CheckpointError(f"{path} does not match the sha256/size in {spec.MANIFEST}: the file is corrupt; "
-                                  f"load an earlier tag")
+    for k, fname in enumerate(sorted(manifest.files)):
+        if k % view.world_size == view.rank:
+            _verify_file(tag_dir, fname, manifest)
 
 
 def _match(view: CheckpointView, plan, load_optimizer_states: bool) -> _Matched:

@@ -153,6 +153,12 @@ class TrainingState:
     def has_optimizer_state(self) -> bool:
         return bool(self.state_keys)
 
+    @property
+    def zero_config(self) -> dict:
+        """The run's ``zero_optimization`` section ({} when the config is not recorded)."""
+        zero = (self.config or {}).get("zero_optimization")
+        return zero if isinstance(zero, dict) else {}
+
 
 @dataclass(frozen=True)
 class CheckpointPlan:

@@ -78,8 +78,7 @@ def resolve_target(plan: CheckpointPlan, world_size: int, stage: int | None, red
     from .writers.engine_native import Target
 
     zero = _config_zero(config)
-    source_zero = (plan.training.config or {}).get("zero_optimization") if plan.training else None
-    source_zero = source_zero if isinstance(source_zero, dict) else {}
+    source_zero = plan.training.zero_config if plan.training else {}
     if stage is None:
         stage = zero.get("stage", plan.stage)
     if reduce_bucket_size is None:
@@ -114,7 +113,7 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
 
     from .outdir import check_output, staged_output
     from .writers import WRITERS
-    from .writers.engine_native import layout_for, require_training_state
+    from .writers.engine_native import require_training_state
 
     started = time.perf_counter()
     out = Path(out)
@@ -123,12 +122,11 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     plan = open_plan(src, tag)
     require_training_state(plan)
     target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
-    layout_for(plan, target)  # validates the layout before any byte is written
-    check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     writer = WRITERS["engine"]
+    total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
+    check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     with staged_output(out, overwrite) as staging, \
-            tqdm(total=writer.total_bytes(plan, target=target), unit="B", unit_scale=True, unit_divisor=1024,
-                 desc="reshard", disable=quiet) as bar:
+            tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
         manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
     return ReshardResult(
         source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,

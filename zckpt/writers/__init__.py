@@ -36,10 +36,7 @@ class HFSafetensorsWriter:
               max_shard_size: int, workers: int | None = None):
         from .hf_safetensors import copy_model_files, write_weights
 
-        class _Bar:  # write_weights takes a tqdm-like object
-            update = staticmethod(progress)
-
-        result = write_weights(plan, folder, dtype, max_shard_size=max_shard_size, progress=_Bar, workers=workers)
+        result = write_weights(plan, folder, dtype, max_shard_size=max_shard_size, progress=progress, workers=workers)
         result.copied = copy_model_files(Path(plan.model_dir) if plan.model_dir else None, folder, dtype)
         return result
 

@@ -86,8 +86,7 @@ def layout_for(plan: CheckpointPlan, target: Target) -> PartitionTable:
 
 
 def _bucket_of(plan: CheckpointPlan) -> int | None:
-    zero = (plan.training.config or {}).get("zero_optimization") if plan.training else None
-    value = zero.get("reduce_bucket_size") if isinstance(zero, dict) else None
+    value = plan.training.zero_config.get("reduce_bucket_size") if plan.training else None
     return int(value) if isinstance(value, (int, float)) else None
 
 

@@ -13,6 +13,7 @@ import re
 import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 from ..assemble import default_workers, iter_assembled
 from ..cast import output_dtype, write_cast
@@ -54,7 +55,10 @@ def plan_shards(plan: CheckpointPlan, dtype: str | None, max_shard_size: int | s
 
 
 def write_weights(plan: CheckpointPlan, out_dir: Path, dtype: str | None, *,
-                  max_shard_size: int | str = "5GB", progress=None, workers: int | None = None) -> WriteResult:
+                  max_shard_size: int | str = "5GB", progress: Callable[[int], None] | None = None,
+                  workers: int | None = None) -> WriteResult:
+    """Write the plan's tensors as ``model*.safetensors`` (+ index) in ``out_dir``; ``progress(n)`` after each
+    tensor's ``n`` source bytes."""
     split, by_name = plan_shards(plan, dtype, max_shard_size)
     result = WriteResult()
     order = {t.name: i for i, t in enumerate(plan.tensors)}
@@ -73,7 +77,7 @@ def write_weights(plan: CheckpointPlan, out_dir: Path, dtype: str | None, *,
                 result.tensors += 1
                 result.parameters += tplan.numel
                 if progress is not None:
-                    progress.update(tplan.nbytes)
+                    progress(tplan.nbytes)
             writer.close()
         result.files.append(filename)
     if split.is_sharded:
