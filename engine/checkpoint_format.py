@@ -368,6 +368,23 @@ def read_latest(save_dir: Path) -> str | None:
     return tag
 
 
+# -- the loss-scaler state, as the manifest stores it ------------------------------------------------------------
+def loss_scaler_from_deepspeed(scaler: Any) -> dict[str, Any]:
+    """The manifest's ``loss_scaler`` (``engine.precision`` scalers' ``state_dict()``) from a DeepSpeed
+    ``LossScaler``/``DynamicLossScaler`` (object or its ``__dict__``), as found under
+    ``optimizer_state_dict["loss_scaler"]`` in DeepSpeed ZeRO checkpoints. KeyError/TypeError/ValueError when the
+    object lacks a field."""
+    attrs = scaler if isinstance(scaler, dict) else vars(scaler)
+    if not attrs.get("dynamic", False):
+        return {"type": "static", "cur_scale": float(attrs["cur_scale"])}
+    return {"type": "dynamic", "cur_scale": float(attrs["cur_scale"]), "cur_iter": int(attrs["cur_iter"]),
+            "last_overflow_iter": int(attrs["last_overflow_iter"]), "cur_hysteresis": int(attrs["cur_hysteresis"]),
+            "scale_factor": float(attrs["scale_factor"]), "scale_window": int(attrs["scale_window"]),
+            "min_scale": float(attrs["min_scale"]), "hysteresis": int(attrs["delayed_shift"]),
+            "consecutive_hysteresis": bool(attrs["consecutive_hysteresis"]),
+            "raise_error_at_min_scale": bool(attrs.get("raise_error_at_min_scale", True))}
+
+
 # -- durable writes ---------------------------------------------------------------------------------------------
 def fsync_path(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)

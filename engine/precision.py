@@ -178,16 +178,11 @@ def _expect_type(state: Mapping[str, Any], kind: str) -> None:
 
 def state_from_deepspeed(scaler: Any) -> dict[str, Any]:
     """Our state dict from a DeepSpeed ``LossScaler``/``DynamicLossScaler`` (object or its ``__dict__``), as found
-    under ``optimizer_state_dict["loss_scaler"]`` in DeepSpeed ZeRO checkpoints."""
-    attrs = scaler if isinstance(scaler, Mapping) else vars(scaler)
-    if not attrs.get("dynamic", False):
-        return {"type": "static", "cur_scale": float(attrs["cur_scale"])}
-    return {"type": "dynamic", "cur_scale": float(attrs["cur_scale"]), "cur_iter": int(attrs["cur_iter"]),
-            "last_overflow_iter": int(attrs["last_overflow_iter"]), "cur_hysteresis": int(attrs["cur_hysteresis"]),
-            "scale_factor": float(attrs["scale_factor"]), "scale_window": int(attrs["scale_window"]),
-            "min_scale": float(attrs["min_scale"]), "hysteresis": int(attrs["delayed_shift"]),
-            "consecutive_hysteresis": bool(attrs["consecutive_hysteresis"]),
-            "raise_error_at_min_scale": bool(attrs.get("raise_error_at_min_scale", True))}
+    under ``optimizer_state_dict["loss_scaler"]`` in DeepSpeed ZeRO checkpoints (the format module's converter,
+    which zckpt's DeepSpeed reader uses too)."""
+    from engine.checkpoint_format import loss_scaler_from_deepspeed
+
+    return loss_scaler_from_deepspeed(dict(scaler) if isinstance(scaler, Mapping) else scaler)
 
 
 def make_loss_scaler(fp16_cfg: Any) -> DynamicLossScaler | StaticLossScaler:

@@ -34,6 +34,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from engine import checkpoint_format as spec
+
 from ..errors import CheckpointCorruptError, CheckpointIncompleteError, UnsupportedCheckpointError
 from ..plan import (DTYPE_SIZES, CheckpointPlan, Fragment, OptimizerGroup, SourceFile, StatePlan, TensorPlan,
                     TrainingState)
@@ -535,17 +537,8 @@ def _loss_scaler(osd: dict, train_dtype: str, path: Path) -> dict | None:
     scaler = osd.get("loss_scaler")
     if train_dtype != "float16" or scaler is None:
         return None
-    attrs = scaler if isinstance(scaler, dict) else vars(scaler)
     try:
-        if not attrs.get("dynamic", False):
-            return {"type": "static", "cur_scale": float(attrs["cur_scale"])}
-        return {"type": "dynamic", "cur_scale": float(attrs["cur_scale"]), "cur_iter": int(attrs["cur_iter"]),
-                "last_overflow_iter": int(attrs["last_overflow_iter"]),
-                "cur_hysteresis": int(attrs["cur_hysteresis"]), "scale_factor": float(attrs["scale_factor"]),
-                "scale_window": int(attrs["scale_window"]), "min_scale": float(attrs["min_scale"]),
-                "hysteresis": int(attrs["delayed_shift"]),
-                "consecutive_hysteresis": bool(attrs["consecutive_hysteresis"]),
-                "raise_error_at_min_scale": bool(attrs.get("raise_error_at_min_scale", True))}
+        return spec.loss_scaler_from_deepspeed(scaler)
     except (KeyError, TypeError, ValueError) as exc:
         raise CheckpointCorruptError(f"{path}: the pickled loss scaler lacks or garbles {exc}; the file is "
                                      "corrupt") from None
