@@ -222,3 +222,20 @@ def any_true(flag: bool, device: torch.device) -> bool:
     t = torch.tensor([1.0 if flag else 0.0], device=device)
     all_reduce_(t, "max")
     return bool(t.item() > 0)
+
+
+def exit_without_finalizing(code: int = 0) -> None:
+    """End a finished worker process now, skipping interpreter finalization (for scripts, after
+    ``destroy_process_group``).
+
+    On gloo, a worker thread of the process group may still be releasing the last reference to a finished
+    collective's tensor; that needs the GIL, and during ``Py_FinalizeEx`` the thread is made to exit, so the C++
+    runtime aborts ("terminate called without an active exception", SIGABRT; seen in core dumps as
+    ``~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit``). Real DeepSpeed processes hit it too.
+    Output is flushed first; files must be closed by the caller.
+    """
+    import sys
+
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)

@@ -154,14 +154,9 @@ def _entry(rank: int, world_size: int, port: int, fn, args, out_dir: str):
         import torch.distributed as dist
         if dist.is_initialized():
             dist.destroy_process_group()
-    # Skip interpreter finalization: a gloo worker thread may still be releasing the last reference to a finished
-    # collective's tensor, which needs the GIL; during Py_FinalizeEx that thread is made to exit and the C++ runtime
-    # aborts ("terminate called without an active exception", SIGABRT; core dump: ~AsyncAllgatherWork ->
-    # decref_pyobject -> take_gil -> pthread_exit in ProcessGroupGloo::runLoop). The worker's work is done and its
-    # files are written and closed by now.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(0)
+    from engine.comm import exit_without_finalizing
+
+    exit_without_finalizing(0)  # gloo teardown race at interpreter exit: see its docstring
 
 
 @dataclass(frozen=True)
