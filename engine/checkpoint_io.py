@@ -18,65 +18,15 @@ asynchronous save and kept.
 
 from __future__ import annotations
 
-import hashlib
-import os
-from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 
 import torch
 
+from engine.checkpoint_format import HashingWriter
 from zckpt.writers.safetensors_stream import Entry, build_header
 
 #: bytes per write / per staged device copy; two such pinned buffers per CUDA file write
 CHUNK_BYTES = 64 << 20
-
-
-class HashingWriter:
-    """A new file written sequentially; its sha256 is computed on a worker thread as the bytes go out.
-
-    ``write`` may be handed a buffer the caller reuses after the call returns: the hash of the previous chunk is
-    awaited before each write, so at most one chunk is in flight in the hasher."""
-
-    def __init__(self, path: Path, *, exclusive: bool = False):
-        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
-        self.path, self.size, self._sha = path, 0, hashlib.sha256()
-        self._fd = os.open(path, flags, 0o644)
-        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")
-        self._pending: Future | None = None
-
-    def write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        if not len(view):
-            return
-        self._settle()
-        self._pending = self._hasher.submit(self._sha.update, view)
-        done = 0
-        while done < len(view):
-            done += os.write(self._fd, view[done:])
-        if hasattr(os, "posix_fadvise") and len(view) >= 1 << 20:
-            os.posix_fadvise(self._fd, self.size, len(view), os.POSIX_FADV_DONTNEED)
-        self.size += len(view)
-        self._settle()  # the caller may overwrite ``data`` once we return
-
-    def _settle(self) -> None:
-        if self._pending is not None:
-            self._pending.result()
-            self._pending = None
-
-    def close(self) -> str:
-        """fsync, close; the sha256 hex digest of everything written."""
-        try:
-            self._settle()
-            os.fsync(self._fd)
-        finally:
-            os.close(self._fd)
-            self._hasher.shutdown()
-        return self._sha.hexdigest()
-
-    def abort(self) -> None:
-        """Close without syncing (the caller removes the file's folder)."""
-        self._hasher.shutdown(wait=True)
-        os.close(self._fd)
 
 
 def _dtype_name(dtype: torch.dtype) -> str:

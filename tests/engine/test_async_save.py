@@ -114,3 +114,29 @@ def test_async_failure_raised_on_every_rank_and_latest_kept(run, stage):
         assert rep["latest_after_fail"] == "t4"
     names = sorted(p.name for p in (out / f"s{stage}" / "async").iterdir())
     assert names == ["latest", "t2", "t4"], names  # the failed save's temp folder is gone
+
+
+def test_offloaded_step_uses_the_node_cores_shared_among_local_ranks(monkeypatch):
+    from engine import optimizer as opt_mod
+
+    monkeypatch.setattr(opt_mod.os, "sched_getaffinity", lambda pid: set(range(16)), raising=False)
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    assert opt_mod.host_step_threads() == 8
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "32")
+    assert opt_mod.host_step_threads() == 1
+
+    seen = []
+    real = torch.set_num_threads
+    monkeypatch.setattr(torch, "set_num_threads", lambda n: (seen.append(n), real(n)))
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "2")
+    before = torch.get_num_threads()
+    master = torch.zeros(8)
+    # masters on the host, communication on an accelerator: the offloaded placement (no CUDA needed to step)
+    offloaded = opt_mod.ShardedOptimizer([master], [{}], {"type": "AdamW", "params": {"lr": 0.1}}, sharded=False,
+                                         dp_world_size=1, comm_device=torch.device("cuda"))
+    assert offloaded.step_threads == 8
+    offloaded.step([torch.ones(8)])
+    assert seen[0] == 8 and torch.get_num_threads() == before and master.abs().sum() > 0
+    on_cpu = opt_mod.ShardedOptimizer([torch.zeros(8)], [{}], {"type": "AdamW"}, sharded=False, dp_world_size=1,
+                                      comm_device=torch.device("cpu"))
+    assert on_cpu.step_threads is None  # CPU training: the process's thread setting is the user's
