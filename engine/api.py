@@ -224,16 +224,17 @@ class Engine(nn.Module):
         """At the accumulation boundary: reduce (stages 0/1), clip, Adam step, refresh params, scheduler."""
         self._step_applied = False
         if self.is_gradient_accumulation_boundary():
-            self.mgr.reduce_at_boundary()
-            grads = self._grad_partitions()
-            overflow = self.optimizer.step(grads, float(self.config.gradient_clipping or 0.0))
-            del grads  # stages 0-2: the fp32 gradient partitions die with the manager's store in zero_grads()
-            if not overflow:
-                self.mgr.update_params()
-                if self.lr_scheduler is not None:
-                    self.lr_scheduler.step(**(lr_kwargs or {}))
-            self._step_applied = not overflow
-            self.mgr.zero_grads()
+            with self.optimizer.host_threads():
+                self.mgr.reduce_at_boundary()
+                grads = self._grad_partitions()
+                overflow = self.optimizer.step(grads, float(self.config.gradient_clipping or 0.0))
+                del grads  # stages 0-2: the fp32 gradient partitions die with the manager's store in zero_grads()
+                if not overflow:
+                    self.mgr.update_params()
+                    if self.lr_scheduler is not None:
+                        self.lr_scheduler.step(**(lr_kwargs or {}))
+                self._step_applied = not overflow
+                self.mgr.zero_grads()
             self.global_steps += 1
             self.global_samples += self.train_batch_size()
         self.micro_steps += 1

@@ -111,6 +111,11 @@ class ShardedOptimizer:
         self.skipped_steps = 0
 
     # -- the step -----------------------------------------------------------------------------------------------
+    def host_threads(self):
+        """Context for the step phase: an offloaded optimizer gets :func:`host_step_threads` threads for the host
+        work (fp32 gradient partitions, unscale/clip, Adam, the masters' casts); otherwise nothing changes."""
+        return _threads(self.step_threads)
+
     def _overflow(self, grads: list[torch.Tensor]) -> bool:
         local = any(has_inf_or_nan(g) for g in grads)
         return comm.any_true(local, self.comm_device)
@@ -127,12 +132,8 @@ class ShardedOptimizer:
         """Average, unscale, clip and apply one Adam step. Returns True when the step was skipped (fp16 overflow).
 
         ``grads``: the step's flat fp32 gradient partitions, one per group (same layout as the masters); they are
-        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs. An offloaded step runs
-        on :func:`host_step_threads` threads."""
-        with _threads(self.step_threads):
-            return self._step(grads, clip)
-
-    def _step(self, grads: list[torch.Tensor], clip: float) -> bool:
+        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs. The engine runs it
+        inside :meth:`host_threads`."""
         scale = float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
         if self.loss_scaler is not None:
             overflow = self._overflow(grads)

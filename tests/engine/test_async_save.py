@@ -135,7 +135,9 @@ def test_offloaded_step_uses_the_node_cores_shared_among_local_ranks(monkeypatch
     offloaded = opt_mod.ShardedOptimizer([master], [{}], {"type": "AdamW", "params": {"lr": 0.1}}, sharded=False,
                                          dp_world_size=1, comm_device=torch.device("cuda"))
     assert offloaded.step_threads == 8
-    offloaded.step([torch.ones(8)])
+    with offloaded.host_threads():
+        assert torch.get_num_threads() == 8
+        offloaded.step([torch.ones(8)])
     assert seen[0] == 8 and torch.get_num_threads() == before and master.abs().sum() > 0
     on_cpu = opt_mod.ShardedOptimizer([torch.zeros(8)], [{}], {"type": "AdamW"}, sharded=False, dp_world_size=1,
                                       comm_device=torch.device("cpu"))
