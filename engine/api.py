@@ -313,10 +313,14 @@ class Engine(nn.Module):
         if skipped_steps is not None:
             self.optimizer.skipped_steps = skipped_steps
 
-    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True, **_ignored):
+    def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                        exclude_optimizer_states: bool = False, **_ignored):
+        """Collective. ``exclude_optimizer_states=True`` writes the weights only (fp32 masters, frozen params,
+        buffers, counters, scheduler; no optimizer files): what ``save_only_model`` asks for. Such a checkpoint is
+        loaded with ``load_module_only=True``."""
         from engine.checkpoint import save_checkpoint
         return save_checkpoint(self._checkpoint_view(), save_dir, tag=tag, client_state=client_state,
-                               save_latest=save_latest)
+                               save_latest=save_latest, exclude_optimizer_states=exclude_optimizer_states)
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, **_ignored):

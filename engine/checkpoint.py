@@ -151,13 +151,14 @@ def frozen_value(view: CheckpointView, k: int) -> torch.Tensor:
     return view.frozen[k].data
 
 
-def _rank_tensors(view: CheckpointView) -> tuple[dict, dict]:
+def _rank_tensors(view: CheckpointView, with_optimizer: bool = True) -> tuple[dict, dict]:
     """This rank's (weights, optimizer) tensors. Collective: stage 3 gathers frozen params (all ranks)."""
     rank, write_partition = view.rank, view.stage > 0 or view.rank == 0
     weights, optim = {}, {}
     if write_partition:
         weights.update(view.optimizer.master_tensors())
-        optim.update(view.optimizer.state_tensors())
+        if with_optimizer:
+            optim.update(view.optimizer.state_tensors())
     for k, name in enumerate(view.frozen_names):
         value = frozen_value(view, k)
         if rank == 0:
@@ -183,8 +184,8 @@ def _persistent_buffer_names(module) -> set[str]:
     return {name for name, _ in _named_buffers(module) if name in keys}
 
 
-def _write_rank_files(view: CheckpointView, tmp: Path) -> dict:
-    weights, optim = _rank_tensors(view)
+def _write_rank_files(view: CheckpointView, tmp: Path, with_optimizer: bool = True) -> dict:
+    weights, optim = _rank_tensors(view, with_optimizer)
     info = {}
     rank = view.rank
     for fname, tensors, role in ((spec.weights_file(rank), weights, "weights"),
@@ -274,8 +275,11 @@ def _commit(save_dir: Path, tmp: Path, manifest: spec.Manifest, save_latest: boo
         spec.write_latest(save_dir, manifest.tag)
 
 
-def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None, save_latest: bool = True) -> bool:
-    """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring."""
+def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None, save_latest: bool = True,
+                    exclude_optimizer_states: bool = False) -> bool:
+    """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring. With
+    ``exclude_optimizer_states`` no optimizer file is written (a weights-only checkpoint: the manifest lists no
+    file with role "optim")."""
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{view.counters.global_steps}"
     _validate_save(view, save_dir, tag, client_state)
@@ -285,7 +289,7 @@ def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None,
         tmp_name = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
     tmp = Path(comm.broadcast_json(tmp_name))
     files = {}
-    for part in comm.all_gather_json(_write_rank_files(view, tmp)):
+    for part in comm.all_gather_json(_write_rank_files(view, tmp, not exclude_optimizer_states)):
         files.update(part)
     if view.rank == 0:
         _commit(save_dir, tmp, build_manifest(view, tag, files, client_state), save_latest)
@@ -367,6 +371,10 @@ def _load_same_layout(view: CheckpointView, tag_dir: Path, manifest: spec.Manife
     if load_optimizer_states:
         # a run saved before its first optimizer step has no state and writes no optimizer file
         has_state = spec.optim_file(src) in manifest.files
+        if not has_state and manifest.global_steps - manifest.skipped_steps > 0 and \
+                not any(meta.role == "optim" for meta in manifest.files.values()):
+            raise CheckpointError(f"{tag_dir} holds only the weights (saved without optimizer state): pass "
+                                  f"load_module_only=True to load just the weights")
         optim = _read_all(_verify_file(tag_dir, spec.optim_file(src), manifest)) if has_state else {}
         view.optimizer.load_state(optim, [g.hparams for g in manifest.groups])
         if view.loss_scaler is not None and manifest.loss_scaler is not None:
