@@ -420,7 +420,8 @@ def render_run(run: Run) -> str:
     """The ``zckpt list`` table: one row per checkpoint folder, best and latest marked."""
     from .report import human_bytes
 
-    others = [m for m in run.metric_names() if m != run.policy.metric][:3]
+    others = [m for m in run.metric_names() if m != run.policy.metric
+              and not m.endswith(("_runtime", "_per_second"))][:3]
     head = ["step", "checkpoint", "status", "size", run.policy.metric] + others + ["marks"]
     rows = []
     for c in run.checkpoints:

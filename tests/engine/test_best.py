@@ -10,6 +10,7 @@ weights after load_best (equal, bit for bit, to the gathered fp32 masters the en
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 
 import pytest
@@ -160,3 +161,44 @@ def test_weights_only_checkpoint_refuses_a_full_resume(tmp_path):
     launch(train_worker, 2, tmp_path, 2, 3, True)
     launch(weights_only_resume_worker, 2, tmp_path)
     assert "load_module_only=True" in (tmp_path / "refused.rank0.txt").read_text()
+
+
+HF_RUN = Path(__file__).resolve().parents[2] / "fixtures" / "deepspeed" / "hf_best_run"
+
+
+def hf_load_worker(rank: int, world_size: int, out: Path, stage: int) -> None:
+    """load_best from the real HF Trainer + DeepSpeed run (ZeRO-3, 2 ranks) into a fresh engine built from the same
+    Llama config (another init), at this world size and stage."""
+    import engine
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from zckpt import CheckpointManager
+
+    torch.manual_seed(123)
+    model = LlamaForCausalLM(LlamaConfig.from_json_file(str(out / "run" / "checkpoint-6" / "config.json")))
+    cfg = ds_config(stage, micro=1)
+    eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    path = CheckpointManager.from_training_args(_Args(out / "run")).load_best(eng)
+    after = eng.fp32_state_dict()
+    if rank == 0:
+        save_file({k: v.contiguous() for k, v in after.items()}, str(out / f"hf_loaded_ws{world_size}.safetensors"))
+        (out / "hf_best.txt").write_text(str(path))
+
+
+class _Args:
+    """What CheckpointManager reads of a TrainingArguments (the fixture run's values)."""
+
+    def __init__(self, output_dir: Path):
+        self.output_dir, self.load_best_model_at_end, self.metric_for_best_model = str(output_dir), True, None
+        self.greater_is_better, self.save_total_limit, self.save_only_model = None, 2, False
+
+
+@pytest.mark.parametrize("world_size,stage", [(1, 2), pytest.param(3, 1, marks=pytest.mark.slow)])
+def test_load_best_from_hf_trainer_run(tmp_path, world_size, stage):
+    meta = json.loads((HF_RUN / "meta.json").read_text())
+    shutil.copytree(HF_RUN, tmp_path / "run")
+    launch(hf_load_worker, world_size, tmp_path, stage)
+    assert (tmp_path / "hf_best.txt").read_text() == str(tmp_path / "run" / Path(meta["best_model_checkpoint"]).name)
+    trainer = load_file(str(HF_RUN / "trainer_loaded.safetensors"))  # what the Trainer held after its own load
+    loaded = load_file(str(tmp_path / f"hf_loaded_ws{world_size}.safetensors"))
+    assert trainer.keys() <= loaded.keys() and all(torch.equal(loaded[k], trainer[k]) for k in trainer)
