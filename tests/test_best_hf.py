@@ -1,5 +1,5 @@
-"""`zckpt best / list / prune / consolidate --best` on a real HF Trainer + DeepSpeed run (fixtures/deepspeed/hf_best_run,
-made by fixtures/make_hf_best_run.py: ZeRO-3, 2 ranks, eval every 2 steps, save_total_limit=2,
+"""`zckpt best / list / prune / consolidate --best` on a real HF Trainer + DeepSpeed run
+(fixtures/deepspeed/hf_best_run, made by fixtures/make_hf_best_run.py: ZeRO-3, 2 ranks, eval every 2 steps, save_total_limit=2,
 load_best_model_at_end=True; the eval loss falls, then rises).
 
 The answers are the Trainer's own: its recorded best_model_checkpoint, the checkpoints its rotation left, the weights it
@@ -17,7 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from tests.conftest import FIXTURES, cli
+from conftest import FIXTURES, cli
 from zckpt import registry
 
 RUN = FIXTURES / "hf_best_run"
@@ -38,7 +38,8 @@ def test_the_fixture_is_what_it_claims():
     best_step = int(BEST.split("-")[1])
     assert steps[0] < best_step < steps[-1]  # improves, then worsens
     assert evals[best_step] == min(evals.values()) == META["best_metric"]
-    reference, loaded = load_file(str(RUN / "reference.safetensors")), load_file(str(RUN / "trainer_loaded.safetensors"))
+    reference = load_file(str(RUN / "reference.safetensors"))
+    loaded = load_file(str(RUN / "trainer_loaded.safetensors"))
     assert loaded.keys() == reference.keys() and all(torch.equal(loaded[k], reference[k]) for k in reference)
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from tests.conftest import FIXTURES, cli
+from conftest import FIXTURES, cli
 from zckpt import registry
 from zckpt.errors import InvalidArgumentError, SourceNotFoundError
 

@@ -4,7 +4,8 @@
    subprocess) on synthetic data with evaluation, saving through CheckpointManager (rotation, best tracking) and
    ending with load_best_model_at_end; list the run; consolidate the best checkpoint to bf16 safetensors; load it
    with transformers' ``from_pretrained``; check the weights equal the engine's gathered fp32 weights after its
-   load_best cast to bf16, bit for bit, and that the loaded model has learnt the synthetic task (loss on a fresh batch that
+   load_best cast to bf16, bit for bit, and that the loaded model has learnt the synthetic task (loss on a fresh batch
+   that
    ``engine.demo`` wrote). This module only reads the files the subprocess wrote: zckpt never imports the engine's
    training side.
 3. List the bundled real HF Trainer + DeepSpeed run with evaluation (``fixtures/deepspeed/hf_best_run``: the eval loss

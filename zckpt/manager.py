@@ -14,8 +14,8 @@ Save protocol (:meth:`CheckpointManager.save`, collective):
 1. every rank: ``model_engine.save_checkpoint`` -- committed (manifest + ``COMMITTED``, ``latest`` last) when it
    returns on any rank; ``save_only_model`` writes no optimizer files (engine) or a 16-bit ``model.safetensors``
    (another engine, e.g. DeepSpeed's ``save_16bit_model``);
-2. rank 0: appends the evaluation to ``log_history``, picks the best with :func:`zckpt.registry.pick_best` (Transformers'
-   comparison) among the run's *complete* checkpoints, writes ``trainer_state.json`` (temp file, fsync, rename);
+2. rank 0: appends the evaluation to ``log_history``, picks the best with :func:`zckpt.registry.pick_best`
+   (Transformers' comparison) among the run's *complete* checkpoints, writes ``trainer_state.json`` (temp file, fsync, rename);
 3. rank 0: rotation (:func:`zckpt.registry.plan_rotation`) -- only now, after the new checkpoint is committed; it
    keeps the newest and the best, counts and deletes complete checkpoints only;
 4. barrier.
@@ -186,8 +186,10 @@ class CheckpointManager:
     def load_best(self, model_engine: Any) -> Path:
         """Collective. Load the best checkpoint's weights into the running ``model_engine`` -- at its world size and
         ZeRO stage, whatever they were at save time (the engine reshards while loading) -- without rebuilding it.
-        The optimizer state and the step counters stay as they are (``load_module_only``), as after Transformers'
-        ``load_best_model_at_end``. Works from weights-only (``save_only_model``) checkpoints. Returns the folder."""
+        On the zckpt engine the optimizer state stays as it is (``load_module_only``); works from weights-only
+        (``save_only_model``) checkpoints. On a DeepSpeed engine everything is loaded, as Transformers'
+        ``load_best_model_at_end`` does there (``deepspeed_load_checkpoint``). The step counters are kept.
+        Returns the folder."""
         if self.metric_for_best_model is None:
             raise InvalidArgumentError("load_best needs metric_for_best_model (CheckpointManager("
                                        "metric_for_best_model='loss') or TrainingArguments.load_best_model_at_end)")
@@ -204,7 +206,12 @@ class CheckpointManager:
         path = _from_rank0(pick)
         counters = {k: getattr(model_engine, k) for k in ("global_steps", "global_samples", "micro_steps")
                     if hasattr(model_engine, k)}
-        model_engine.load_checkpoint(path, load_module_only=True)
+        if _is_zckpt_engine(model_engine):
+            model_engine.load_checkpoint(path, load_module_only=True)  # fp32 masters exactly, any size and stage
+        else:
+            # DeepSpeed's load_module_only rebuilds the fp32 masters from the 16-bit module weights (and at ZeRO-3
+            # finds no module weights); Transformers' deepspeed_load_checkpoint loads everything: do the same
+            model_engine.load_checkpoint(path, load_optimizer_states=True, load_lr_scheduler_states=True)
         for k, v in counters.items():
             setattr(model_engine, k, v)
         return Path(path)

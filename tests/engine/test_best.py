@@ -120,7 +120,7 @@ def _check_loaded(out: Path, world_size: int) -> None:
 def test_best_ws2_then_ws1(tmp_path, capsys):
     """ZeRO-3 at 2 ranks, save_total_limit=2; load_best at 2 ranks, then into a fresh ZeRO-2 engine at 1 rank;
     `zckpt best/list` agree with the manager."""
-    from tests.conftest import cli
+    from conftest import cli
 
     launch(train_worker, 2, tmp_path, 3, 2, False)
     _check_run(tmp_path, 2, False)

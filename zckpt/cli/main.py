@@ -145,7 +145,8 @@ def reshard(
     from ..reshard import reshard as run
 
     result = run(_best_or(src, best, tag), out, world_size=world_size, stage=stage,
-                 reduce_bucket_size=reduce_bucket_size, config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+                 reduce_bucket_size=reduce_bucket_size, config=config, tag=tag, overwrite=overwrite,
+                 quiet=quiet or as_json, workers=workers)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
