@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import zckpt
 from conftest import FIXTURES, cli
 from zckpt import registry
 
@@ -74,6 +75,16 @@ def test_prune_matches_transformers(run, tmp_path, capsys):
     # under another direction the newest is best; the Trainer's recorded best stays protected all the same
     code, out, _ = cli(capsys, "prune", run, "--keep", "1", "--higher-is-better", "--dry-run")
     assert code == 0 and f"keep    {BEST} (recorded best)" in out and "nothing to delete" in out
+
+
+def test_reshard_best(run, tmp_path, capsys):
+    code, out, err = cli(capsys, "reshard", run, tmp_path / "ws1", "--best", "--world-size", "1", "-q", "--json")
+    assert code == 0, err
+    result = json.loads(out)
+    assert result["source"] == str(run / BEST) and result["to_world_size"] == 1 and result["from_world_size"] == 2
+    reference = load_file(str(RUN / "reference.safetensors"))
+    got = zckpt.load_state_dict(tmp_path / "ws1", "fp32")  # the resharded engine checkpoint's weights
+    assert all(torch.equal(got[k], reference[k]) for k in reference)
 
 
 def test_consolidate_best_equals_zero_to_fp32(run, tmp_path, capsys):

@@ -102,12 +102,10 @@ class CheckpointManager:
             self.metric_for_best_model = registry.metric_key(self.metric_for_best_model)
             if self.greater_is_better is None:
                 self.greater_is_better = registry.default_greater_is_better(self.metric_for_best_model)
-        if not self.log_history and self.run_dir.is_dir():
-            states = [registry.read_trainer_state(f) for _, f in registry.checkpoint_folders(self.run_dir)]
-            states = [s for s in states if s is not None]
-            if states:
-                newest = max(states, key=lambda s: s.get("global_step") or 0)
-                self.log_history = list(newest.get("log_history") or [])
+        if not self.log_history and self.run_dir.is_dir():  # resuming: the newest complete checkpoint's history
+            complete = [f for _, f in registry.checkpoint_folders(self.run_dir)
+                        if registry.checkpoint_status(f)[0] == "complete"]
+            self.log_history = list(registry.merged_history(complete)[1].get("log_history") or [])
 
     @classmethod
     def from_training_args(cls, args: Any, run_dir: str | Path | None = None) -> "CheckpointManager":
@@ -144,6 +142,12 @@ class CheckpointManager:
         evaluation (``{"loss": 1.2}`` or ``{"eval_loss": 1.2}``). Returns the checkpoint folder."""
         if not isinstance(step, int) or step < 0:
             raise InvalidArgumentError(f"step must be a non-negative int, got {step!r}")
+        entry = {registry.metric_key(k): float(v) for k, v in (metrics or {}).items()}
+        if entry and self.metric_for_best_model is not None and self.metric_for_best_model not in entry:
+            # Trainer._determine_best_metric raises the same way (KeyError) before saving
+            raise InvalidArgumentError(f"metric_for_best_model {self.metric_for_best_model!r} is not in the metrics "
+                                       f"passed to save() ({', '.join(entry)}); pass it, or change "
+                                       f"metric_for_best_model")
         folder = self.run_dir / f"checkpoint-{step}"
         tag = f"global_step{step}"
         if self.save_only_model and _is_zckpt_engine(model_engine):
@@ -152,8 +156,7 @@ class CheckpointManager:
             model_engine.save_16bit_model(str(folder))
         else:
             model_engine.save_checkpoint(str(folder), tag=tag)
-        if metrics:
-            entry = {registry.metric_key(k): float(v) for k, v in metrics.items()}
+        if entry:
             self.log_history.append({**entry, **({"epoch": epoch} if epoch is not None else {}), "step": step})
         if _rank() == 0:
             self._write_state(folder, step, epoch)

@@ -241,16 +241,10 @@ def scan(run_dir: str | Path, metric: str | None = None, greater_is_better: bool
     if not folders:
         hint = " (it is one checkpoint; pass its parent)" if CHECKPOINT_RE.match(run_dir.name) else ""
         raise SourceNotFoundError(f"{run_dir} holds no checkpoint-N/ folders{hint}; pass the run's output folder")
-    states = [(s, read_trainer_state(f)) for s, f in folders]
-    states = [(s, st) for s, st in states if st is not None]
-    history: dict[int, dict[str, float]] = {}
-    for _step, state in sorted(states, key=lambda p: (p[1].get("global_step", p[0]) or 0, p[0])):
-        for step, values in eval_metrics(state.get("log_history", [])).items():
-            history.setdefault(step, {}).update(values)
-    newest_state = max(states, key=lambda p: (p[1].get("global_step", p[0]) or 0, p[0]))[1] if states else {}
+    statuses = [checkpoint_status(folder) for _, folder in folders]
+    history, newest_state = merged_history([f for (_, f), st in zip(folders, statuses) if st[0] == "complete"])
     checkpoints = []
-    for step, folder in folders:
-        status, kind, reason = checkpoint_status(folder)
+    for (step, folder), (status, kind, reason) in zip(folders, statuses):
         checkpoints.append(Checkpoint(folder.name, folder, step, status, kind, reason, dict(history.get(step, {})),
                                       _folder_size(folder)))
     policy = resolve_policy(run_dir, folders, newest_state, history, metric, greater_is_better)
@@ -260,6 +254,18 @@ def scan(run_dir: str | Path, metric: str | None = None, greater_is_better: bool
     recorded = resolve_recorded(run_dir, raw, checkpoints)
     return Run(run_dir, tuple(checkpoints), policy, best, complete[-1] if complete else None, recorded,
                raw if isinstance(raw, str) else None)
+
+
+def merged_history(folders: list[Path]) -> tuple[dict[int, dict[str, float]], dict[str, Any]]:
+    """``(step -> eval metrics, newest trainer_state)`` over the ``trainer_state.json`` of ``folders`` (complete
+    checkpoints only: an interrupted save's file may belong to an abandoned run); a newer file wins a step."""
+    states = [st for st in (read_trainer_state(f) for f in folders) if st is not None]
+    states.sort(key=lambda st: st.get("global_step") if isinstance(st.get("global_step"), int) else -1)
+    history: dict[int, dict[str, float]] = {}
+    for state in states:
+        for step, values in eval_metrics(state.get("log_history", [])).items():
+            history.setdefault(step, {}).update(values)
+    return history, states[-1] if states else {}
 
 
 def resolve_recorded(run_dir: Path, raw: Any, checkpoints: list[Checkpoint]) -> Checkpoint | None:

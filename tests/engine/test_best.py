@@ -22,6 +22,7 @@ from _engine_harness import build_model, ds_config, engine_train, launch
 STEPS = 6
 METRIC = [3.0, 2.0, 1.0, 1.5, 1.0, 2.5]  # best: step 3 (step 5 ties, the earlier wins)
 BEST_STEP = 3
+INTERRUPTED = "checkpoint-99"
 GLOBAL_BATCH = 6
 
 
@@ -35,7 +36,7 @@ def _engine(stage: int, world_size: int, seed: int = 0):
 
 
 def _folders(run: Path) -> list[str]:
-    return sorted((p.name for p in run.iterdir() if p.name.startswith("checkpoint-")),
+    return sorted((p.name for p in run.iterdir() if p.name.startswith("checkpoint-") and p.name != INTERRUPTED),
                   key=lambda n: int(n.split("-")[1]))
 
 
@@ -44,6 +45,12 @@ def train_worker(rank: int, world_size: int, out: Path, stage: int, limit: int, 
 
     eng, cfg = _engine(stage, world_size)
     run = out / "run"
+    if rank == 0:  # a save interrupted in an earlier run, at a later step, claiming a better metric
+        (run / INTERRUPTED / ".global_step99.tmp-x").mkdir(parents=True)
+        (run / INTERRUPTED / ".global_step99.tmp-x" / "rank00000-weights.safetensors").write_bytes(b"\0" * 10)
+        (run / INTERRUPTED / "trainer_state.json").write_text(json.dumps(
+            {"global_step": 99, "log_history": [{"eval_loss": 0.0, "step": 99}]}))
+    torch.distributed.barrier()
     mgr = CheckpointManager(run_dir=run, metric_for_best_model="loss", save_total_limit=limit,
                             save_only_model=only_model)
     seen = []
@@ -54,6 +61,7 @@ def train_worker(rank: int, world_size: int, out: Path, stage: int, limit: int, 
             save_file({k: v.contiguous() for k, v in weights.items()}, str(out / f"weights-{step}.safetensors"))
         mgr.save(eng, step, {"eval_loss": METRIC[step - 1]}, epoch=step / STEPS)
         seen.append(_folders(run))
+        assert (run / INTERRUPTED / "trainer_state.json").is_file()  # never counted, never deleted
     steps_before = eng.global_steps
     path = mgr.load_best(eng)
     after = eng.fp32_state_dict()
@@ -130,7 +138,9 @@ def test_best_ws2_then_ws1(tmp_path, capsys):
     assert code == 0 and out.strip() == str(tmp_path / "run" / f"checkpoint-{BEST_STEP}")
     code, out, _ = cli(capsys, "list", tmp_path / "run", "--json")
     listed = json.loads(out)
-    assert [c["name"] for c in listed["checkpoints"]] == ["checkpoint-3", "checkpoint-6"]
+    assert [(c["name"], c["status"]) for c in listed["checkpoints"]] == [
+        ("checkpoint-3", "complete"), ("checkpoint-6", "complete"), (INTERRUPTED, "incomplete")]
+    assert listed["latest"] == str(tmp_path / "run" / "checkpoint-6")
     assert listed["recorded_best"] == listed["best"] and listed["policy_origin"].endswith("zckpt_best.json")
 
 
