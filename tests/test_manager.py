@@ -107,3 +107,24 @@ def test_from_training_args_and_save_only_model_on_another_engine(tmp_path):
         output_dir=str(tmp_path / "x"), metric_for_best_model="accuracy", greater_is_better=None,
         load_best_model_at_end=True, save_total_limit=None, save_only_model=False))
     assert (higher.metric_for_best_model, higher.greater_is_better) == ("eval_accuracy", True)
+
+
+def test_without_best_tracking_rotation_keeps_the_newest_only(tmp_path):
+    eng, run = FakeDeepSpeedEngine(), tmp_path / "run"
+    seen = _train(CheckpointManager(run_dir=run, save_total_limit=1), eng, {1: None, 2: None})
+    assert seen == [["checkpoint-1"], ["checkpoint-2"]]
+    state = json.loads((run / "checkpoint-2" / "trainer_state.json").read_text())
+    assert state["best_model_checkpoint"] is None and not (run / "checkpoint-2" / registry.POLICY_FILE).exists()
+    # metrics logged without a metric_for_best_model: recorded, and still no best protected (as Transformers)
+    seen = _train(CheckpointManager(run_dir=tmp_path / "r2", save_total_limit=1), eng, {1: 1.0, 2: 2.0})
+    assert seen == [["checkpoint-1"], ["checkpoint-2"]]
+
+
+def test_deepspeed_zero3_without_gather_is_refused_for_save_only_model(tmp_path):
+    class NoGather(FakeDeepSpeedEngine):
+        def save_16bit_model(self, save_dir):
+            return False
+
+    mgr = CheckpointManager(run_dir=tmp_path / "run", save_only_model=True)
+    with pytest.raises(UnsupportedCheckpointError, match="stage3_gather_16bit_weights_on_model_save"):
+        mgr.save(NoGather(), 1)

@@ -153,7 +153,10 @@ class CheckpointManager:
         if self.save_only_model and _is_zckpt_engine(model_engine):
             model_engine.save_checkpoint(str(folder), tag=tag, exclude_optimizer_states=True)
         elif self.save_only_model:
-            model_engine.save_16bit_model(str(folder))
+            if model_engine.save_16bit_model(str(folder)) is False:  # DeepSpeed ZeRO-3 without the gather option
+                raise UnsupportedCheckpointError(
+                    f"{folder}: the engine wrote no 16-bit weights (DeepSpeed ZeRO-3 needs "
+                    f"zero_optimization.stage3_gather_16bit_weights_on_model_save=true for save_only_model)")
         else:
             model_engine.save_checkpoint(str(folder), tag=tag)
         if entry:
@@ -166,6 +169,7 @@ class CheckpointManager:
 
     def _write_state(self, folder: Path, step: int, epoch: float | None) -> None:
         best, best_value, best_step = None, None, None
+        folder.mkdir(parents=True, exist_ok=True)  # present unless the engine wrote nothing (then: incomplete)
         policy = self._policy()
         if policy is not None:
             history = registry.eval_metrics(self.log_history)
@@ -183,7 +187,10 @@ class CheckpointManager:
     def _rotate(self) -> list[Path]:
         if self.save_total_limit is None or self.save_total_limit <= 0:
             return []
-        return registry.apply_rotation(registry.plan_rotation(self._scan(), self.save_total_limit))
+        run = self._scan()
+        if self.metric_for_best_model is None:  # no best tracking: Transformers protects the newest only
+            run = replace(run, best=None, recorded_best=None)
+        return registry.apply_rotation(registry.plan_rotation(run, self.save_total_limit))
 
     # -- load best ------------------------------------------------------------------------------------------------
     def load_best(self, model_engine: Any) -> Path:
