@@ -226,6 +226,12 @@ def test_prune_cli_dry_run_and_confirmation(tmp_path, capsys):
     assert code == 2 and "at least 1" in err
 
 
+def test_best_weights_only_checkpoint_is_not_consolidated(tmp_path, capsys):
+    run = make_run(tmp_path / "run", {1: 2.0, 2: 1.0})
+    code, _, err = cli(capsys, "consolidate", run, tmp_path / "out", "--best")
+    assert code == 2 and "checkpoint-2 holds model weights only" in err and not (tmp_path / "out").exists()
+
+
 def test_list_cli(tmp_path, capsys):
     run = make_run(tmp_path / "run", {1: 2.0, 2: 1.0, 3: 1.5})
     code, out, _ = cli(capsys, "list", run)

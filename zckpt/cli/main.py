@@ -51,11 +51,15 @@ def _best_or(src: Path, best: bool, tag: Optional[str]) -> Path:
     if not best:
         return src
     from ..errors import InvalidArgumentError
-    from ..registry import best_path
+    from ..registry import require_best, scan
 
     if tag is not None:
         raise InvalidArgumentError(f"--best picks the checkpoint folder itself; drop --tag {tag!r}")
-    return best_path(src)
+    best = require_best(scan(src))
+    if best.kind == "weights":
+        raise InvalidArgumentError(f"the best checkpoint {best.path} holds model weights only (save_only_model): it "
+                                   f"is already an HF model folder; load it with from_pretrained")
+    return best.path
 
 
 def _out_arg(what: str):
