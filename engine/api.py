@@ -304,7 +304,14 @@ class Engine(nn.Module):
                               micro_steps=self.micro_steps, skipped_steps=self.skipped_steps),
             config=self.config.to_dict(), reduce_bucket_size=int(self.config.zero.reduce_bucket_size),
             gather_16bit_weights_on_model_save=bool(self.config.zero.gather_16bit_weights_on_model_save),
-            set_counters=self._set_counters)
+            set_counters=self._set_counters, saver=self._async_saver())
+
+    def _async_saver(self):
+        from engine.checkpoint import AsyncSaver
+
+        if getattr(self, "_saver", None) is None:
+            self._saver = AsyncSaver()
+        return self._saver
 
     def _set_counters(self, *, global_steps: int, global_samples: int, micro_steps: int,
                       skipped_steps: int | None = None) -> None:
@@ -314,13 +321,20 @@ class Engine(nn.Module):
             self.optimizer.skipped_steps = skipped_steps
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        exclude_optimizer_states: bool = False, **_ignored):
-        """Collective. ``exclude_optimizer_states=True`` writes the weights only (fp32 masters, frozen params,
-        buffers, counters, scheduler; no optimizer files): what ``save_only_model`` asks for. Such a checkpoint is
-        loaded with ``load_module_only=True``."""
+                        async_save: bool = False, exclude_optimizer_states: bool = False, **_ignored):
+        """Collective. Save a committed checkpoint (DeepSpeed's signature). ``async_save=True`` returns once the
+        state is copied to host memory and commits in the background; the next save or load, or process exit,
+        waits for it, and a failure is raised there (:meth:`wait_for_checkpoint` waits explicitly).
+        ``exclude_optimizer_states=True`` writes the weights only (fp32 masters, frozen params, buffers, counters,
+        scheduler; no optimizer files): what ``save_only_model`` asks for; load it with ``load_module_only=True``."""
         from engine.checkpoint import save_checkpoint
         return save_checkpoint(self._checkpoint_view(), save_dir, tag=tag, client_state=client_state,
-                               save_latest=save_latest, exclude_optimizer_states=exclude_optimizer_states)
+                               save_latest=save_latest, async_save=async_save,
+                               exclude_optimizer_states=exclude_optimizer_states)
+
+    def wait_for_checkpoint(self) -> None:
+        """Collective. Block until an asynchronous save is committed; raise if it failed on any rank."""
+        self._async_saver().wait()
 
     def load_checkpoint(self, load_dir, tag=None, load_module_strict=True, load_optimizer_states=True,
                         load_lr_scheduler_states=True, load_module_only=False, **_ignored):

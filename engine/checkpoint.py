@@ -24,7 +24,9 @@ loading by :mod:`engine.reshard_load`.
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import dataclasses
 import hashlib
 import json
 import os
@@ -40,6 +42,7 @@ from safetensors.torch import save_file
 
 from engine import checkpoint_format as spec
 from engine import comm
+from engine.checkpoint_io import write_safetensors
 from engine.partition import ALIGN, PartitionTable
 
 
@@ -87,6 +90,7 @@ class CheckpointView:
     reduce_bucket_size: int
     gather_16bit_weights_on_model_save: bool
     set_counters: Callable[..., None]  # Engine._set_counters(global_steps=..., ..., skipped_steps=None keeps it)
+    saver: Any = None  # the engine's AsyncSaver (asynchronous saves in flight)
 
     @property
     def n_trainable(self) -> int:
@@ -151,8 +155,9 @@ def frozen_value(view: CheckpointView, k: int) -> torch.Tensor:
     return view.frozen[k].data
 
 
-def _rank_tensors(view: CheckpointView, with_optimizer: bool = True) -> tuple[dict, dict]:
-    """This rank's (weights, optimizer) tensors. Collective: stage 3 gathers frozen params (all ranks)."""
+def _rank_tensors(view: CheckpointView, with_optimizer: bool = True) -> dict[str, tuple[str, dict]]:
+    """This rank's files: ``{file name: (role, {key: tensor})}``, tensors where they live (device or host).
+    Collective: stage 3 gathers frozen params (all ranks)."""
     rank, write_partition = view.rank, view.stage > 0 or view.rank == 0
     weights, optim = {}, {}
     if write_partition:
@@ -166,8 +171,9 @@ def _rank_tensors(view: CheckpointView, with_optimizer: bool = True) -> tuple[di
     if rank == 0:
         for name, buf in _named_buffers(view.module):
             weights[spec.buffer_key(name)] = buf
-    to_cpu = lambda d: {k: v.detach().to("cpu").contiguous() for k, v in d.items()}  # noqa: E731
-    return to_cpu(weights), to_cpu(optim)
+    files = {spec.weights_file(rank): ("weights", weights), spec.optim_file(rank): ("optim", optim)}
+    return {fname: (role, {k: v.detach() for k, v in tensors.items()})
+            for fname, (role, tensors) in files.items() if tensors}
 
 
 def _named_buffers(module) -> list:
@@ -184,18 +190,12 @@ def _persistent_buffer_names(module) -> set[str]:
     return {name for name, _ in _named_buffers(module) if name in keys}
 
 
-def _write_rank_files(view: CheckpointView, tmp: Path, with_optimizer: bool = True) -> dict:
-    weights, optim = _rank_tensors(view, with_optimizer)
+def _write_rank_files(rank: int, files: dict[str, tuple[str, dict]], tmp: Path) -> dict:
+    """Write this rank's files into ``tmp`` (one pass each: hashed while written, fsynced); their manifest entries."""
     info = {}
-    rank = view.rank
-    for fname, tensors, role in ((spec.weights_file(rank), weights, "weights"),
-                                 (spec.optim_file(rank), optim, "optim")):
-        if not tensors:
-            continue
-        path = tmp / fname
-        save_file(tensors, str(path), metadata={"format": spec.FORMAT, "rank": str(rank), "role": role})
-        spec.fsync_path(path)
-        info[fname] = {"rank": rank, "role": role, "size": path.stat().st_size, "sha256": _sha256(path)}
+    for fname, (role, tensors) in files.items():
+        size, sha = write_safetensors(tmp / fname, tensors, {"format": spec.FORMAT, "rank": str(rank), "role": role})
+        info[fname] = {"rank": rank, "role": role, "size": size, "sha256": sha}
     return info
 
 
@@ -276,10 +276,15 @@ def _commit(save_dir: Path, tmp: Path, manifest: spec.Manifest, save_latest: boo
 
 
 def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                    exclude_optimizer_states: bool = False) -> bool:
+                    async_save: bool = False, exclude_optimizer_states: bool = False) -> bool:
     """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring. With
-    ``exclude_optimizer_states`` no optimizer file is written (a weights-only checkpoint: the manifest lists no
-    file with role "optim")."""
+    ``exclude_optimizer_states`` no optimizer file is written (a weights-only checkpoint: the manifest lists no file
+    with role "optim").
+
+    ``async_save``: return once this rank's tensors are copied to host memory (:class:`AsyncSaver`); the files are
+    written, hashed and committed in the background, and ``latest`` moves only then."""
+    saver = view.saver if view.saver is not None else AsyncSaver()
+    saver.wait()  # the previous asynchronous save is committed (or its failure raised) before a new one starts
     save_dir = Path(save_dir)
     tag = str(tag) if tag is not None else f"global_step{view.counters.global_steps}"
     _validate_save(view, save_dir, tag, client_state)
@@ -288,13 +293,122 @@ def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None,
         save_dir.mkdir(parents=True, exist_ok=True)
         tmp_name = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
     tmp = Path(comm.broadcast_json(tmp_name))
+    tensors = _rank_tensors(view, not exclude_optimizer_states)
+    manifest = build_manifest(view, tag, {}, client_state) if view.rank == 0 else None  # the state as of now
+    if async_save:
+        saver.start(view.rank, view.world_size, tensors, tmp, save_dir, manifest, save_latest)
+        return True
     files = {}
-    for part in comm.all_gather_json(_write_rank_files(view, tmp, not exclude_optimizer_states)):
+    for part in comm.all_gather_json(_write_rank_files(view.rank, tensors, tmp)):
         files.update(part)
     if view.rank == 0:
-        _commit(save_dir, tmp, build_manifest(view, tag, files, client_state), save_latest)
+        _commit(save_dir, tmp, dataclasses.replace(
+            manifest, files={name: spec.FileEntry(**meta) for name, meta in files.items()}), save_latest)
     comm.barrier()
     return True
+
+
+class AsyncSaver:
+    """One engine's asynchronous saves: at most one in flight, failures raised at the next collective call.
+
+    ``start`` copies the rank's tensors into a reused host :class:`~engine.checkpoint_io.Snapshot` (one copy of
+    the rank's checkpoint bytes, pinned for CUDA tensors) and returns; a thread then writes and hashes the files
+    and drops ``.done-rank<r>.json`` (the files' sizes and hashes, or the error) into the temp folder. Rank 0's
+    thread waits for every rank's note, then commits and moves ``latest``: no collective runs in the background,
+    and a crash at any moment leaves the previous checkpoint as ``latest``. ``wait`` (collective: the next save,
+    ``load_checkpoint``) joins the thread and raises on every rank if any rank failed; ``join`` (process exit) only
+    joins."""
+
+    #: how long rank 0 waits for the other ranks' notes before giving the save up
+    commit_timeout_s = 1800.0
+
+    def __init__(self) -> None:
+        from engine.checkpoint_io import Snapshot
+
+        self.snapshot = Snapshot()
+        self._thread = None
+        self._error: str | None = None
+        self._tag = None
+
+    def start(self, rank: int, world_size: int, tensors: dict, tmp: Path, save_dir: Path,
+              manifest: spec.Manifest | None, save_latest: bool) -> None:
+        import threading
+
+        roles = {fname: role for fname, (role, _) in tensors.items()}
+        host = self.snapshot.take({fname: ts for fname, (_, ts) in tensors.items()})
+        files = {fname: (roles[fname], ts) for fname, ts in host.items()}
+        self._tag, self._error = manifest.tag if manifest is not None else tmp.name, None
+        self._thread = threading.Thread(target=self._run, name="engine-async-save", daemon=False,
+                                        args=(rank, world_size, files, tmp, save_dir, manifest, save_latest))
+        self._thread.start()
+        _JOIN_AT_EXIT.add(self)
+
+    def _run(self, rank, world_size, files, tmp, save_dir, manifest, save_latest) -> None:
+        try:
+            note = {"files": _write_rank_files(rank, files, tmp)}
+        except BaseException as exc:  # reported through the note and at the next call, never swallowed
+            note = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
+            self._error = note["error"]
+        try:
+            part = tmp / f".done-rank{rank}.json.part"  # renamed whole: rank 0 never reads half a note
+            spec.write_durable(part, json.dumps(note).encode())
+            os.replace(part, tmp / f".done-rank{rank}.json")
+            if rank == 0:
+                self._commit(world_size, tmp, save_dir, manifest, save_latest)
+        except BaseException as exc:
+            self._error = self._error or f"rank {rank}: {type(exc).__name__}: {exc}"
+
+    def _commit(self, world_size, tmp, save_dir, manifest, save_latest) -> None:
+        import time
+
+        notes, deadline = {}, time.monotonic() + self.commit_timeout_s
+        while len(notes) < world_size:
+            for r in range(world_size):
+                path = tmp / f".done-rank{r}.json"
+                if r not in notes and path.is_file():
+                    notes[r] = json.loads(path.read_text())
+            if len(notes) < world_size:
+                if time.monotonic() > deadline:
+                    raise CheckpointError(f"ranks {sorted(set(range(world_size)) - set(notes))} did not finish "
+                                          f"writing within {self.commit_timeout_s:.0f} s")
+                time.sleep(0.02)
+        errors = [n["error"] for n in notes.values() if "error" in n]
+        if errors:
+            shutil.rmtree(tmp, ignore_errors=True)
+            raise CheckpointError("; ".join(errors))
+        for r in range(world_size):
+            (tmp / f".done-rank{r}.json").unlink()
+        files = {name: spec.FileEntry(**meta) for n in notes.values() for name, meta in n["files"].items()}
+        _commit(save_dir, tmp, dataclasses.replace(manifest, files=files), save_latest)
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
+            self._thread = None
+        _JOIN_AT_EXIT.discard(self)
+
+    def wait(self) -> None:
+        """Collective: join this rank's save; raise on every rank if any rank's save failed."""
+        if comm.world_size() > 1 or self._thread is not None or self._error:
+            self.join()
+            errors = [e for e in comm.all_gather_json(self._error) if e]
+            tag, self._error = self._tag, None
+            if errors:
+                raise CheckpointError(f"the asynchronous save of {tag} failed ({'; '.join(errors)}); the previous "
+                                      f"checkpoint is still 'latest'")
+            comm.barrier()  # rank 0's commit is visible to every rank from here
+
+
+_JOIN_AT_EXIT: set = set()
+
+
+def join_pending_saves() -> None:
+    """Wait for every asynchronous save of this process to finish writing (process exit; not collective)."""
+    for saver in list(_JOIN_AT_EXIT):
+        saver.join()
+
+
+atexit.register(join_pending_saves)
 
 
 # -- load -------------------------------------------------------------------------------------------------------
@@ -398,6 +512,8 @@ def load_checkpoint(view: CheckpointView, load_dir, tag=None, load_optimizer_sta
 
     ``load_dir`` is an engine save dir or a DeepSpeed one; a checkpoint whose world size, stage or layout differs
     from this run's is resharded while loading (:mod:`engine.reshard_load`)."""
+    if view.saver is not None:
+        view.saver.wait()  # an asynchronous save in flight is committed first (or its failure raised)
     load_dir = Path(load_dir)
     tag = str(tag) if tag is not None else _spec_call(spec.read_latest, load_dir)
     if tag is None:

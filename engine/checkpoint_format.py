@@ -25,8 +25,10 @@ optimizer state tensor (``group{g}.<state key>`` has the master partition's layo
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -399,6 +401,53 @@ def write_durable(path: Path, data: bytes) -> None:
         f.write(data)
         f.flush()
         os.fsync(f.fileno())
+
+
+class HashingWriter:
+    """A new file written sequentially, hashed in the same pass: each chunk's sha256 update runs on a worker thread
+    while the caller's thread writes that chunk (both release the GIL), and both are done when ``write`` returns,
+    so the caller may reuse its buffer. ``close`` fsyncs and returns the hex digest; nothing is read back."""
+
+    def __init__(self, path: Path, *, exclusive: bool = False):
+        flags = os.O_WRONLY | os.O_CREAT | (os.O_EXCL if exclusive else os.O_TRUNC)
+        self.path, self.size, self._sha = path, 0, hashlib.sha256()
+        self._fd = os.open(path, flags, 0o644)
+        self._hasher = ThreadPoolExecutor(1, thread_name_prefix="sha256")
+        self._pending: Future | None = None
+
+    def write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        if not len(view):
+            return
+        self._settle()
+        self._pending = self._hasher.submit(self._sha.update, view)
+        done = 0
+        while done < len(view):
+            done += os.write(self._fd, view[done:])
+        if hasattr(os, "posix_fadvise") and len(view) >= 1 << 20:
+            os.posix_fadvise(self._fd, self.size, len(view), os.POSIX_FADV_DONTNEED)
+        self.size += len(view)
+        self._settle()  # the caller may overwrite ``data`` once we return
+
+    def _settle(self) -> None:
+        if self._pending is not None:
+            self._pending.result()
+            self._pending = None
+
+    def close(self) -> str:
+        """fsync, close; the sha256 hex digest of everything written."""
+        try:
+            self._settle()
+            os.fsync(self._fd)
+        finally:
+            os.close(self._fd)
+            self._hasher.shutdown()
+        return self._sha.hexdigest()
+
+    def abort(self) -> None:
+        """Close without syncing (the caller removes the file's folder)."""
+        self._hasher.shutdown(wait=True)
+        os.close(self._fd)
 
 
 def write_latest(save_dir: Path, tag: str) -> None:

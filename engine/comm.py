@@ -232,10 +232,14 @@ def exit_without_finalizing(code: int = 0) -> None:
     collective's tensor; that needs the GIL, and during ``Py_FinalizeEx`` the thread is made to exit, so the C++
     runtime aborts ("terminate called without an active exception", SIGABRT; seen in core dumps as
     ``~AsyncAllgatherWork -> decref_pyobject -> take_gil -> pthread_exit``). Real DeepSpeed processes hit it too.
-    Output is flushed first; files must be closed by the caller.
+    Asynchronous checkpoint saves still writing are joined and output is flushed first; files must be closed by the
+    caller.
     """
     import sys
 
+    checkpoint = sys.modules.get("engine.checkpoint")
+    if checkpoint is not None:
+        checkpoint.join_pending_saves()  # an asynchronous save still writing finishes first
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -21,7 +21,9 @@ Communication phases of :meth:`ShardedOptimizer.step` (at most two tiny all-redu
 
 from __future__ import annotations
 
+import contextlib
 import math
+import os
 
 import torch
 
@@ -61,6 +63,27 @@ def resolve_adam(opt_cfg) -> tuple[type, dict]:
     return (torch.optim.AdamW if adam_w else torch.optim.Adam), defaults
 
 
+def host_step_threads() -> int:
+    """Threads for an offloaded (CPU) optimizer step: the cores this process may run on, shared among the ranks of
+    this node (torchrun sets OMP_NUM_THREADS=1 for every rank, which would leave the step on one core)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    local_ranks = int(os.environ.get("LOCAL_WORLD_SIZE", "1") or 1)
+    return max(1, cores // max(1, local_ranks))
+
+
+@contextlib.contextmanager
+def _threads(n: int | None):
+    if n is None or n == torch.get_num_threads():
+        yield
+        return
+    before = torch.get_num_threads()
+    torch.set_num_threads(n)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
+
+
 class ShardedOptimizer:
     """Adam(W) over flat fp32 partitions; exposes ``param_groups`` so schedulers and user code can read/set lr."""
 
@@ -82,6 +105,8 @@ class ShardedOptimizer:
         self.inner = cls(groups, **defaults, **({"fused": True} if on_cuda else {"foreach": True}))
         self.param_groups = self.inner.param_groups
         self.swapper = NvmeStateSwapper(nvme_path, comm.rank()) if nvme_path else None
+        offloaded = bool(masters) and not on_cuda and torch.device(comm_device).type != "cpu"
+        self.step_threads = host_step_threads() if offloaded else None  # None: leave the thread count alone
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
 
@@ -102,7 +127,12 @@ class ShardedOptimizer:
         """Average, unscale, clip and apply one Adam step. Returns True when the step was skipped (fp16 overflow).
 
         ``grads``: the step's flat fp32 gradient partitions, one per group (same layout as the masters); they are
-        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs."""
+        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs. An offloaded step runs
+        on :func:`host_step_threads` threads."""
+        with _threads(self.step_threads):
+            return self._step(grads, clip)
+
+    def _step(self, grads: list[torch.Tensor], clip: float) -> bool:
         scale = float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
         if self.loss_scaler is not None:
             overflow = self._overflow(grads)

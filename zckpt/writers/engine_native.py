@@ -13,7 +13,6 @@ written -- one pass, no re-read -- and files are written by a small thread pool.
 
 from __future__ import annotations
 
-import hashlib
 import os
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
@@ -108,31 +107,7 @@ def partition_pieces(table: PartitionTable, rank: int, group: int, sources: list
         yield total - pos, None, 0
 
 
-class _HashingFile:
-    """Sequential writer that hashes what it writes and drops written pages from the cache."""
-
-    def __init__(self, path: Path):
-        self.path, self.fd, self.sha, self.size = path, os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644), \
-            hashlib.sha256(), 0
-
-    def write(self, data) -> None:
-        view = memoryview(data).cast("B")
-        self.sha.update(view)
-        done = 0
-        while done < len(view):
-            done += os.write(self.fd, view[done:])
-        if hasattr(os, "posix_fadvise") and len(view) >= 2**20:
-            os.posix_fadvise(self.fd, self.size, len(view), os.POSIX_FADV_DONTNEED)
-        self.size += len(view)
-
-    def close(self) -> str:
-        """fsync, close; the sha256 hex digest of everything written."""
-        os.fsync(self.fd)
-        os.close(self.fd)
-        return self.sha.hexdigest()
-
-
-def _write_pieces(out: _HashingFile, pieces, itemsize: int, files: FileCache, progress: Callable[[int], None],
+def _write_pieces(out: spec.HashingWriter, pieces, itemsize: int, files: FileCache, progress: Callable[[int], None],
                   scratch: bytearray) -> None:
     """Write ``pieces`` in chunks: zeros for padding, source bytes read through ``scratch`` (reused) otherwise."""
     per_chunk = len(scratch) // itemsize
@@ -184,7 +159,7 @@ def _rank_jobs(plan: CheckpointPlan, table: PartitionTable, rank: int) -> list[_
 
 def _write_file(job: _FileJob, folder: Path, files: FileCache, progress) -> spec.FileEntry:
     entries = [Entry(key, dtype, shape) for key, dtype, shape, _ in job.tensors]
-    out = _HashingFile(folder / job.name)
+    out = spec.HashingWriter(folder / job.name, exclusive=True)
     scratch = bytearray(CHUNK_BYTES)
     try:
         out.write(build_header(entries, {"format": spec.FORMAT, "rank": str(job.rank), "role": job.role}))
