@@ -322,13 +322,16 @@ class Engine(nn.Module):
             self.optimizer.skipped_steps = skipped_steps
 
     def save_checkpoint(self, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                        async_save: bool = False, **_ignored):
+                        async_save: bool = False, exclude_optimizer_states: bool = False, **_ignored):
         """Collective. Save a committed checkpoint (DeepSpeed's signature). ``async_save=True`` returns once the
         state is copied to host memory and commits in the background; the next save or load, or process exit,
-        waits for it, and a failure is raised there (:meth:`wait_for_checkpoint` waits explicitly)."""
+        waits for it, and a failure is raised there (:meth:`wait_for_checkpoint` waits explicitly).
+        ``exclude_optimizer_states=True`` writes the weights only (fp32 masters, frozen params, buffers, counters,
+        scheduler; no optimizer files): what ``save_only_model`` asks for; load it with ``load_module_only=True``."""
         from engine.checkpoint import save_checkpoint
         return save_checkpoint(self._checkpoint_view(), save_dir, tag=tag, client_state=client_state,
-                               save_latest=save_latest, async_save=async_save)
+                               save_latest=save_latest, async_save=async_save,
+                               exclude_optimizer_states=exclude_optimizer_states)
 
     def wait_for_checkpoint(self) -> None:
         """Collective. Block until an asynchronous save is committed; raise if it failed on any rank."""

@@ -155,14 +155,15 @@ def frozen_value(view: CheckpointView, k: int) -> torch.Tensor:
     return view.frozen[k].data
 
 
-def _rank_tensors(view: CheckpointView) -> dict[str, tuple[str, dict]]:
+def _rank_tensors(view: CheckpointView, with_optimizer: bool = True) -> dict[str, tuple[str, dict]]:
     """This rank's files: ``{file name: (role, {key: tensor})}``, tensors where they live (device or host).
     Collective: stage 3 gathers frozen params (all ranks)."""
     rank, write_partition = view.rank, view.stage > 0 or view.rank == 0
     weights, optim = {}, {}
     if write_partition:
         weights.update(view.optimizer.master_tensors())
-        optim.update(view.optimizer.state_tensors())
+        if with_optimizer:
+            optim.update(view.optimizer.state_tensors())
     for k, name in enumerate(view.frozen_names):
         value = frozen_value(view, k)
         if rank == 0:
@@ -275,8 +276,10 @@ def _commit(save_dir: Path, tmp: Path, manifest: spec.Manifest, save_latest: boo
 
 
 def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None, save_latest: bool = True,
-                    async_save: bool = False) -> bool:
-    """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring.
+                    async_save: bool = False, exclude_optimizer_states: bool = False) -> bool:
+    """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring. With
+    ``exclude_optimizer_states`` no optimizer file is written (a weights-only checkpoint: the manifest lists no file
+    with role "optim").
 
     ``async_save``: return once this rank's tensors are copied to host memory (:class:`AsyncSaver`); the files are
     written, hashed and committed in the background, and ``latest`` moves only then."""
@@ -290,7 +293,7 @@ def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None,
         save_dir.mkdir(parents=True, exist_ok=True)
         tmp_name = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
     tmp = Path(comm.broadcast_json(tmp_name))
-    tensors = _rank_tensors(view)
+    tensors = _rank_tensors(view, not exclude_optimizer_states)
     manifest = build_manifest(view, tag, {}, client_state) if view.rank == 0 else None  # the state as of now
     if async_save:
         saver.start(view.rank, view.world_size, tensors, tmp, save_dir, manifest, save_latest)
@@ -482,6 +485,10 @@ def _load_same_layout(view: CheckpointView, tag_dir: Path, manifest: spec.Manife
     if load_optimizer_states:
         # a run saved before its first optimizer step has no state and writes no optimizer file
         has_state = spec.optim_file(src) in manifest.files
+        if not has_state and manifest.global_steps - manifest.skipped_steps > 0 and \
+                not any(meta.role == "optim" for meta in manifest.files.values()):
+            raise CheckpointError(f"{tag_dir} holds only the weights (saved without optimizer state): pass "
+                                  f"load_module_only=True to load just the weights")
         optim = _read_all(_verify_file(tag_dir, spec.optim_file(src), manifest)) if has_state else {}
         view.optimizer.load_state(optim, [g.hparams for g in manifest.groups])
         if view.loss_scaler is not None and manifest.loss_scaler is not None:

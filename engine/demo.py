@@ -5,11 +5,13 @@ start's main job.
 
 The data is made here: sequences that count upwards modulo the vocabulary from a random start, so the model can
 learn "next token = this token + 1" and the loss visibly falls. Each rank trains on its own slice of every global
-batch. Checkpoints go to ``<out>/checkpoints`` (engine-native format, one set of files per rank), next to the
-model's ``config.json`` as HF Trainer lays them out; rank 0 also writes the gathered fp32 weights
-(``<out>/final_fp32.safetensors``), the losses and a fresh batch of the same task never trained on
-(``<out>/train.json``: ``losses``, ``eval_ids``) for ``zckpt demo`` to check against; it reads these files and
-never imports the engine.
+batch. Every 10 steps it evaluates on a fixed batch of the same task never trained on and saves through
+:class:`zckpt.CheckpointManager` (``metric_for_best_model="loss"``, ``save_total_limit=2``) to
+``<out>/run/checkpoint-N/`` (engine-native tag, ``trainer_state.json``, the model's ``config.json``) as HF Trainer
+lays them out; at the end it loads the best checkpoint's weights into the running engine (``load_best_model_at_end``)
+and evaluates again. Rank 0 then writes the gathered fp32 weights (``<out>/final_fp32.safetensors``: the best's), the
+losses and the eval batch (``<out>/train.json``: ``losses``, ``eval_ids``, ``best``) for ``zckpt demo`` to check
+against; it reads these files and never imports the engine.
 """
 
 from __future__ import annotations
@@ -37,6 +39,19 @@ def build_model():
                          num_key_value_heads=2, vocab_size=VOCAB, max_position_embeddings=SEQ,
                          tie_word_embeddings=True)
     return config, LlamaForCausalLM(config)
+
+
+def evaluate(model_engine, eval_ids) -> float:
+    """Collective (ZeRO-3 gathers in forward). Loss on the held-out batch; every rank runs the same batch."""
+    import torch
+
+    with torch.no_grad():
+        ids = eval_ids.to(model_engine.device)
+        return model_engine(input_ids=ids, labels=ids).loss.item()
+
+
+def _step(name: str) -> int:
+    return int(name.rsplit("-", 1)[1])
 
 
 def main() -> None:
@@ -68,12 +83,14 @@ def main() -> None:
     with engine.zero.Init(config=ds_config, enabled=args.stage == 3):
         config, model = build_model()
     model_engine, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)
-    save_dir = args.out / "checkpoints"
-    if rank == 0:
-        save_dir.mkdir(parents=True, exist_ok=True)
-        config.to_json_file(str(save_dir / "config.json"))
+    from zckpt import CheckpointManager
+
+    run_dir = args.out / "run"
+    # TrainingArguments' names: eval every 10 steps, keep 2 checkpoints, load the best (lowest eval_loss) at the end
+    manager = CheckpointManager(run_dir=run_dir, metric_for_best_model="loss", save_total_limit=2)
+    eval_ids = synthetic_batch(torch.Generator().manual_seed(99), 8)  # one fixed held-out batch
     data = torch.Generator().manual_seed(1234)
-    losses = []
+    losses, evals = [], {}
     for step in range(1, args.steps + 1):
         batch = synthetic_batch(data, 8 * world)[rank * 8:(rank + 1) * 8].to(model_engine.device)
         loss = model_engine(input_ids=batch, labels=batch).loss
@@ -84,15 +101,25 @@ def main() -> None:
         losses.append(round(mean.item() / world, 4))
         if rank == 0 and (step % 10 == 0 or step == 1):
             print(f"[engine] step {step:3d}  loss {losses[-1]:.4f}", flush=True)
-        if step % 20 == 0 or step == args.steps:
-            model_engine.save_checkpoint(str(save_dir))
+        if step % 10 == 0 or step == args.steps:
+            eval_loss = evals[step] = evaluate(model_engine, eval_ids)
+            folder = manager.save(model_engine, step, {"eval_loss": eval_loss})
+            if rank == 0:
+                config.to_json_file(str(folder / "config.json"))  # as HF Trainer's checkpoints: loadable folders
+                print(f"[engine] step {step:3d}  eval_loss {eval_loss:.4f}  saved {folder.name}; kept: "
+                      f"{', '.join(sorted((p.name for p in run_dir.glob('checkpoint-*')), key=_step))}", flush=True)
+    best = manager.load_best(model_engine)  # load_best_model_at_end: into this engine, no rebuild
+    again = evaluate(model_engine, eval_ids)
+    if rank == 0:
+        print(f"[engine] load_best_model_at_end: {best.name} (eval_loss {evals[_step(best.name)]:.4f}); eval_loss "
+              f"of the weights now in the engine: {again:.4f}", flush=True)
     with engine.zero.GatheredParameters(list(model.parameters())):
         full = {name: p.detach().float().clone() for name, p in model.named_parameters()}
     if rank == 0:
         save_file(full, str(args.out / "final_fp32.safetensors"))
-        eval_ids = synthetic_batch(torch.Generator().manual_seed(99), 8).tolist()
-        (args.out / "train.json").write_text(json.dumps({"losses": losses, "eval_ids": eval_ids,
-                                                         "world_size": world, "stage": args.stage}))
+        (args.out / "train.json").write_text(json.dumps({"losses": losses, "eval_ids": eval_ids.tolist(),
+                                                         "world_size": world, "stage": args.stage,
+                                                         "best": str(best)}))
     dist.barrier()
     dist.destroy_process_group()
 

@@ -55,5 +55,7 @@ def test_demo_runs(capsys):
 
     run(engine_steps=30)
     out = capsys.readouterr().out
-    assert out.count("identical") == 2 and out.count("missing/unexpected keys: none") == 2
+    assert out.count("identical") == 3 and out.count("missing/unexpected keys: none") == 2
     assert "format       engine" in out and "format       deepspeed 0.19.8" in out
+    assert "[engine] load_best_model_at_end: checkpoint-" in out and "complete (engine)" in out
+    assert "from checkpoint-6; vs the weights the Trainer held" in out

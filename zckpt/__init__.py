@@ -19,6 +19,7 @@ _LAZY = {
     "reshard": "zckpt.reshard",
     "ReshardResult": "zckpt.reshard",
     "push": "zckpt.hub",
+    "CheckpointManager": "zckpt.manager",
 }
 
 

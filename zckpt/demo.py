@@ -1,11 +1,16 @@
 """``zckpt demo``: the Quick start's main job.
 
 1. Train a tiny causal LM with the engine on 2 CPU ranks (ZeRO-3, gloo, ``torchrun -m engine.demo`` in a
-   subprocess) on synthetic data, saving engine-native checkpoints; consolidate the latest to bf16 safetensors; load
-   it with transformers' ``from_pretrained``; check the weights equal the engine's gathered fp32 weights cast to
-   bf16, bit for bit, and that the loaded model has learnt the synthetic task (loss on a fresh batch that
+   subprocess) on synthetic data with evaluation, saving through CheckpointManager (rotation, best tracking) and
+   ending with load_best_model_at_end; list the run; consolidate the best checkpoint to bf16 safetensors; load it
+   with transformers' ``from_pretrained``; check the weights equal the engine's gathered fp32 weights after its
+   load_best cast to bf16, bit for bit, and that the loaded model has learnt the synthetic task (loss on a fresh batch
+   that
    ``engine.demo`` wrote). This module only reads the files the subprocess wrote: zckpt never imports the engine's
    training side.
+3. List the bundled real HF Trainer + DeepSpeed run with evaluation (``fixtures/deepspeed/hf_best_run``: the eval loss
+   falls then rises, ``load_best_model_at_end=True``), consolidate its best checkpoint and check it equals the weights
+   the Trainer itself loaded at the end, bit for bit.
 2. Do the same for the bundled real-DeepSpeed checkpoint ``fixtures/deepspeed/hf_run`` (an HF Trainer output dir of a
    ZeRO-3 bf16 run on 2 ranks, written by DeepSpeed 0.19), checking logits against DeepSpeed's own reconstruction.
 """
@@ -18,6 +23,7 @@ from pathlib import Path
 from .errors import SourceNotFoundError, ZckptError
 
 FIXTURE = Path(__file__).resolve().parents[1] / "fixtures" / "deepspeed" / "hf_run"
+BEST_FIXTURE = FIXTURE.with_name("hf_best_run")
 
 
 def run(out: Path | None = None, *, engine_steps: int = 40) -> None:
@@ -29,6 +35,8 @@ def run(out: Path | None = None, *, engine_steps: int = 40) -> None:
         run_engine(Path(tmp), engine_steps)
     print()
     run_deepspeed_fixture(out)
+    print()
+    run_best_fixture()
 
 
 def run_engine(work: Path, steps: int) -> None:
@@ -43,6 +51,7 @@ def run_engine(work: Path, steps: int) -> None:
     from safetensors.torch import load_file
 
     from . import consolidate
+    from .registry import best_path, render_run, scan
     from .report import inspect, render
 
     with socket.socket() as sock:
@@ -56,11 +65,17 @@ def run_engine(work: Path, steps: int) -> None:
     print("\n".join(line for line in proc.stdout.splitlines() if line.startswith("[engine]")))
     if proc.returncode != 0:
         raise ZckptError(f"engine training failed (exit {proc.returncode}):\n{proc.stdout[-3000:]}")
-    ckpts = work / "checkpoints"
-    print(f"\n$ zckpt inspect {ckpts}")
+    run_dir = work / "run"
+    print(f"\n$ zckpt list {run_dir}")
+    print(render_run(scan(run_dir)))
+    ckpts = best_path(run_dir)
+    train = json.loads((work / "train.json").read_text())
+    if str(ckpts) != train["best"]:
+        raise ZckptError(f"demo check failed: zckpt best says {ckpts}, the engine loaded {train['best']}")
+    print(f"\n$ zckpt inspect $(zckpt best {run_dir})")
     print(render(inspect(ckpts)))
     target = work / "model-bf16"
-    print(f"\n$ zckpt consolidate {ckpts} {target}")
+    print(f"\n$ zckpt consolidate {run_dir} {target} --best")
     result = consolidate(ckpts, target, dtype="bf16", quiet=True)
     print(f"wrote {result.files} + {result.copied} ({result.parameters:,} parameters, {result.dtype}); "
           f"tied, written once: {result.tied}")
@@ -68,8 +83,8 @@ def run_engine(work: Path, steps: int) -> None:
     gathered = load_file(str(work / "final_fp32.safetensors"))
     state = model.state_dict()
     exact = all(torch.equal(state[k], v.to(torch.bfloat16)) for k, v in gathered.items())
-    print(f"weights vs the engine's gathered fp32 weights cast to bf16: {'identical' if exact else 'DIFFERENT'}")
-    train = json.loads((work / "train.json").read_text())
+    print(f"weights vs the engine's gathered fp32 weights (after load_best) cast to bf16: "
+          f"{'identical' if exact else 'DIFFERENT'}")
     batch = torch.tensor(train["eval_ids"])  # made by engine.demo from its own data generator, never trained on
     with torch.no_grad():
         loss = model(input_ids=batch, labels=batch).loss.item()
@@ -128,3 +143,28 @@ def _reference_model(model, state_dict):
     reference = copy.deepcopy(model)
     reference.load_state_dict({k: v.to(torch.bfloat16) for k, v in state_dict.items()}, strict=False)
     return reference
+
+
+def run_best_fixture() -> None:
+    """Part 3: best tracking on a real HF Trainer + DeepSpeed run."""
+    if not BEST_FIXTURE.is_dir():
+        raise SourceNotFoundError(f"{BEST_FIXTURE} is missing: the demo needs a source checkout (pip install -e .)")
+    import torch
+    from safetensors.torch import load_file
+
+    from . import consolidate
+    from .registry import best_path, render_run, scan
+
+    print(f"$ zckpt list {BEST_FIXTURE}   # a real HF Trainer + DeepSpeed ZeRO-3 run, load_best_model_at_end=True")
+    print(render_run(scan(BEST_FIXTURE)))
+    with tempfile.TemporaryDirectory() as tmp:
+        target = Path(tmp) / "best-fp32"
+        print(f"\n$ zckpt consolidate {BEST_FIXTURE} {target} --best --dtype fp32")
+        result = consolidate(best_path(BEST_FIXTURE), target, dtype="fp32", quiet=True)
+        ours = load_file(str(target / "model.safetensors"))
+    trainer = load_file(str(BEST_FIXTURE / "trainer_loaded.safetensors"))
+    same = ours.keys() == trainer.keys() and all(torch.equal(ours[k], trainer[k]) for k in trainer)
+    print(f"wrote {result.files} from {Path(result.source).name}; vs the weights the Trainer held after its "
+          f"load_best_model_at_end: {'identical' if same else 'DIFFERENT'}")
+    if not same:
+        raise ZckptError("demo check failed: see above")

@@ -35,6 +35,33 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on erro
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")]
 
 
+BestOpt = Annotated[bool, typer.Option("--best", help="SRC is a run folder: use its best checkpoint (as `zckpt "
+                                                       "best SRC` picks it).")]
+RunArg = Annotated[Path, typer.Argument(help="Run folder holding checkpoint-N/ folders (HF Trainer output_dir or "
+                                             "a CheckpointManager run_dir).", show_default=False)]
+MetricOpt = Annotated[Optional[str], typer.Option("--metric", help="Metric deciding the best checkpoint, e.g. "
+                                                                   "eval_loss (default: the run's, from "
+                                                                   "trainer_state.json; else eval_loss).")]
+DirectionOpt = Annotated[Optional[bool], typer.Option("--higher-is-better/--lower-is-better",
+                                                      help="Direction of --metric (default: the run's; else lower "
+                                                           "for names ending in 'loss').", show_default=False)]
+
+
+def _best_or(src: Path, best: bool, tag: Optional[str]) -> Path:
+    if not best:
+        return src
+    from ..errors import InvalidArgumentError
+    from ..registry import require_best, scan
+
+    if tag is not None:
+        raise InvalidArgumentError(f"--best picks the checkpoint folder itself; drop --tag {tag!r}")
+    best = require_best(scan(src))
+    if best.kind == "weights":
+        raise InvalidArgumentError(f"the best checkpoint {best.path} holds model weights only (save_only_model): it "
+                                   f"is already an HF model folder; load it with from_pretrained")
+    return best.path
+
+
 def _out_arg(what: str):
     return Annotated[Path, typer.Argument(help=f"{what} (must not exist or be empty, unless --overwrite).",
                                           show_default=False)]
@@ -69,11 +96,12 @@ def consolidate(
     = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
+    best: BestOpt = False,
 ) -> None:
     """Consolidate a sharded ZeRO checkpoint into an HF-loadable safetensors folder (bf16 by default)."""
     from ..api import consolidate as run
 
-    result = run(src, out, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
+    result = run(_best_or(src, best, tag), out, dtype=dtype, tag=tag, max_shard_size=max_shard_size,
                  exclude_frozen=exclude_frozen, overwrite=overwrite, quiet=quiet or as_json, workers=workers,
                  push_to=push_to)
     if as_json:
@@ -114,13 +142,15 @@ def reshard(
     workers: _workers_opt("Writer threads (default: 8, or the CPU count if higher).") = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
+    best: BestOpt = False,
 ) -> None:
     """Lay a checkpoint's full training state out for another world size (and ZeRO stage): an engine checkpoint
     that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters)."""
     from ..reshard import reshard as run
 
-    result = run(src, out, world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size,
-                 config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+    result = run(_best_or(src, best, tag), out, world_size=world_size, stage=stage,
+                 reduce_bucket_size=reduce_bucket_size, config=config, tag=tag, overwrite=overwrite,
+                 quiet=quiet or as_json, workers=workers)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
@@ -174,6 +204,61 @@ def inspect(src: SrcArg, tag: TagOpt = None, as_json: JsonOpt = False) -> None:
     print(json.dumps(report, indent=2) if as_json else render(report))
     if report["problem"]:
         raise typer.Exit(2)
+
+
+@app.command(name="list", epilog="Examples:\n\n\b\n  zckpt list output/\n  zckpt list output/ --metric "
+                                 "accuracy --json")
+def list_(run_dir: RunArg, metric: MetricOpt = None, greater_is_better: DirectionOpt = None,
+          as_json: JsonOpt = False) -> None:
+    """Table of a run's checkpoint-N/ folders: step, metrics, size, complete or not; best and latest marked."""
+    from ..registry import render_run, scan
+
+    run = scan(run_dir, metric, greater_is_better)
+    print(json.dumps(run.to_dict(), indent=2) if as_json else render_run(run))
+
+
+@app.command(epilog="Examples:\n\n\b\n  zckpt best output/\n  zckpt consolidate $(zckpt best output/) model/\n"
+                    "  zckpt best output/ --metric accuracy --higher-is-better")
+def best(run_dir: RunArg, metric: MetricOpt = None, greater_is_better: DirectionOpt = None) -> None:
+    """Print the path of a run's best checkpoint folder (and nothing else)."""
+    from ..registry import best_path
+
+    print(best_path(run_dir, metric, greater_is_better))
+
+
+@app.command(epilog="Examples:\n\n\b\n  zckpt prune output/ --keep 2 --dry-run\n  zckpt prune output/ --keep 1 --yes")
+def prune(
+    run_dir: RunArg,
+    keep: Annotated[int, typer.Option("--keep", help="Complete checkpoints to keep (save_total_limit); the newest "
+                                                     "and the best are always kept.", show_default=False)],
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; delete nothing.")] = False,
+    yes: Annotated[bool, typer.Option("--yes", "-y", help="Delete without asking.")] = False,
+    metric: MetricOpt = None,
+    greater_is_better: DirectionOpt = None,
+    as_json: JsonOpt = False,
+) -> None:
+    """Delete old checkpoints by Transformers' save_total_limit rules: keeps the newest and the best; never touches
+    incomplete or unrecognised folders."""
+    from ..errors import InvalidArgumentError
+    from ..registry import apply_rotation, plan_rotation, render_plan, scan
+
+    plan = plan_rotation(scan(run_dir, metric, greater_is_better), keep)
+    if not as_json:
+        print(render_plan(plan))
+    if dry_run or not plan.delete:
+        if as_json:
+            print(json.dumps({**plan.to_dict(), "deleted": []}, indent=2))
+        return
+    if not yes:
+        if as_json or not sys.stdin.isatty():
+            raise InvalidArgumentError("prune deletes checkpoints: pass --yes to confirm (or --dry-run to look)")
+        if not typer.confirm(f"delete {len(plan.delete)} checkpoint(s)?"):
+            raise typer.Exit(1)
+    deleted = apply_rotation(plan)
+    if as_json:
+        print(json.dumps({**plan.to_dict(), "deleted": [str(p) for p in deleted]}, indent=2))
+    else:
+        print(f"deleted {len(deleted)} checkpoint(s)")
 
 
 @app.command(epilog="Example:\n\n  zckpt demo")
