@@ -111,6 +111,7 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     """Write SRC's training state as an engine-native checkpoint for ``world_size`` ranks into OUT."""
     from tqdm.auto import tqdm
 
+    from .integrity import checked, regions_read
     from .outdir import check_output, staged_output
     from .writers import WRITERS
     from .writers.engine_native import require_training_state
@@ -125,7 +126,7 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     writer = WRITERS["engine"]
     total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
-    with staged_output(out, overwrite) as staging, \
+    with staged_output(out, overwrite) as staging, checked(regions_read(plan, with_state=True)), \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
         manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
     return ReshardResult(

@@ -188,22 +188,61 @@ def demo(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; library errors become ``error: <one line>`` and exit code 2 (``--debug`` re-raises)."""
-    from ..errors import ZckptError
-
+    """Run the CLI. Every failure ends here as one line on stderr, ``error: <file>: <cause>; <fix>``, and exit 2:
+    library errors (:class:`~zckpt.errors.ZckptError`), OS errors (permissions, disk full, read-only, ...) and
+    usage errors; Ctrl-C / SIGTERM / SIGHUP exit 128 + the signal (130 for Ctrl-C) with a message. ``--debug``
+    re-raises with the traceback. Anything else is a bug: one line saying so, exit 1 (``--debug`` for details)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if debug:  # accepted anywhere on the line, not only before the command
         args = ["--debug"] + [a for a in args if a != "--debug"]
+    sys.exit(_run(args, debug))
+
+
+def _run(args: list[str], debug: bool) -> int:
+    try:  # typer >= 0.2x vendors click; its exceptions are not click's
+        from typer._click.exceptions import ClickException
+    except ImportError:  # pragma: no cover
+        from click import ClickException
+
+    from ..errors import ZckptError, describe_os_error, printable
+
+    interrupted = "interrupted (Ctrl-C); no output was left behind"
     try:
-        app(args=args, prog_name="zckpt")
+        result = app(args=args, prog_name="zckpt", standalone_mode=False)
+        if result == 130:  # typer turns KeyboardInterrupt into a silent exit code 130
+            return _fail(interrupted, 130)
+        return result if isinstance(result, int) else 0
+    except typer.Exit as exc:
+        return exc.exit_code
+    except ClickException as exc:  # usage errors: click's own message, exit 2
+        exc.show()
+        return exc.exit_code
+    except typer.Abort as exc:  # typer turns EOFError into Abort ("Aborted!")
+        if debug:
+            raise
+        cause = exc.__cause__
+        return _fail(f"internal error ({type(cause).__name__}: {printable(cause, 300)}); rerun with --debug and "
+                     "report the traceback" if cause is not None else interrupted, 1 if cause is not None else 130)
     except ZckptError as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        return _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted; no output was left behind", file=sys.stderr)
-        sys.exit(130)
+        return _fail(interrupted, 130)
+    except OSError as exc:
+        if debug:
+            raise
+        return _fail(describe_os_error(exc), 2)
+    except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback with --debug
+        if debug:
+            raise
+        return _fail(f"internal error ({type(exc).__name__}: {printable(exc, 300)}); rerun with --debug and "
+                     "report the traceback", 1)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code

@@ -12,12 +12,13 @@ tiling each tensor exactly (CheckpointCorruptError).
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from engine import checkpoint_format as spec
-from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
+from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError, source_os_error
 from zckpt.safetensors_header import HeaderError, read_header
-from zckpt.plan import (DTYPE_SIZES, CheckpointPlan, Fragment, OptimizerGroup, SourceFile,
+from zckpt.plan import (DTYPE_SIZES, CheckpointPlan, Checksum, Fragment, OptimizerGroup, SourceFile,
                         StatePlan, TensorPlan, TrainingState)
 
 def is_engine_checkpoint(tag_dir: Path) -> bool:
@@ -41,6 +42,9 @@ def _read_manifest(tag_dir: Path) -> spec.Manifest:
         raise CheckpointIncompleteError(str(exc)) from None
     except spec.FormatError as exc:
         raise CheckpointCorruptError(f"{exc}; upgrade zckpt or use an earlier tag") from None
+    except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as exc:  # JSON of unexpected shape
+        raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: malformed manifest ({type(exc).__name__}: "
+                                     f"{str(exc)[:100]}); use an earlier tag") from None
 
 
 class _Files:
@@ -56,6 +60,8 @@ class _Files:
             if meta is None:
                 raise CheckpointCorruptError(f"{self.tag_dir / 'manifest.json'} references {fname} but does not list "
                                              f"it under 'files'; the manifest is damaged, use an earlier tag")
+            if path.is_dir():
+                raise CheckpointCorruptError(f"{path} is a folder, the manifest lists a file; use an earlier tag")
             if not path.is_file():
                 raise CheckpointIncompleteError(f"{path} is missing; copy it back or use an earlier tag")
             size = path.stat().st_size
@@ -137,6 +143,61 @@ def _training(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Traini
                          units=manifest.layout.units if manifest.layout is not None else None)
 
 
+def _check_ranks(files: _Files, manifest: spec.Manifest, has_optim: bool) -> None:
+    """Cross-rank consistency: every rank below the partition world size has its files, each holding every group's
+    partition with the manifest's ``partition_numel`` (and the optimizer state with the same numel); the
+    ``COMMITTED`` marker names the manifest's tag."""
+    where = files.tag_dir / spec.MANIFEST
+    names = [spec.weights_file(r) for r in range(manifest.partition_world_size)]
+    if has_optim:
+        names += [spec.optim_file(r) for r in range(manifest.partition_world_size)]
+    for name in names:
+        if name not in files.listed:
+            raise CheckpointCorruptError(f"{where}: stage {manifest.stage} at world size {manifest.world_size} needs "
+                                         f"{name}, which the manifest does not list; the manifest is damaged or from "
+                                         "another run, use an earlier tag")
+    for g, group in enumerate(manifest.groups):
+        for r in range(manifest.partition_world_size):
+            keys = [(spec.weights_file(r), spec.master_key(g))]
+            if has_optim:
+                keys += [(spec.optim_file(r), spec.state_key(g, k)) for k in manifest.state_keys]
+            for fname, key in keys:
+                _, tensors = files.check(fname)
+                span = tensors.get(key)
+                numel = math.prod(span.shape) if span is not None else None
+                if numel != group.partition_numel:
+                    raise CheckpointCorruptError(
+                        f"{files.tag_dir / fname}: {key!r} holds {numel if numel is not None else 'no'} elements, the "
+                        f"manifest says rank {r} holds {group.partition_numel} of group {g}; the ranks' files are "
+                        "from different saves, use an earlier tag")
+    try:
+        marker = (files.tag_dir / spec.COMMITTED).read_bytes()[:4096].decode("utf-8", "replace").strip()
+    except OSError as exc:
+        raise source_os_error(exc) from None
+    if marker and marker != manifest.tag:
+        raise CheckpointCorruptError(f"{files.tag_dir / spec.COMMITTED} names tag {marker[:80]!r} but the manifest "
+                                     f"is for {manifest.tag[:80]!r}; the folder mixes two saves, use an earlier tag")
+
+
+def _check_no_shared_bytes(tensors: list[TensorPlan], where: Path) -> None:
+    """No byte of a file belongs to two fragments (of one tensor or two): a fragment pointing into another
+    parameter's bytes would silently duplicate it."""
+    spans: dict[str, list[tuple[int, int, str]]] = {}
+    for t in tensors:
+        for label, dtype, frags in ((t.name, t.dtype, t.fragments),
+                                    *((f"{t.name}/{s.key}", s.dtype, s.fragments) for s in t.state)):
+            size = DTYPE_SIZES[dtype]
+            for f in frags:
+                if f.numel:
+                    spans.setdefault(f.path, []).append((f.offset, f.offset + f.numel * size, label))
+    for path, items in spans.items():
+        items.sort()
+        for (_, end, first), (start, _, second) in zip(items, items[1:]):
+            if start < end:
+                raise CheckpointCorruptError(f"{where}: {second} and {first} claim the same bytes of {path}; the "
+                                             "manifest is damaged, use an earlier tag")
+
+
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
     """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``): weights and training state."""
     tag_dir = Path(tag_dir)
@@ -145,6 +206,7 @@ def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
     for fname in files.listed:
         files.check(fname)
     has_optim = any(meta.role == "optim" for meta in files.listed.values())
+    _check_ranks(files, manifest, has_optim)
     tensors = [_param(files, e, manifest, has_optim) for e in manifest.params]
     tensors += [_whole(files, e, "frozen") for e in manifest.frozen]
     tensors += [_whole(files, e, "buffer") for e in manifest.buffers if e.persistent]
@@ -153,12 +215,14 @@ def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
             plan.validate()
         except ValueError as exc:
             raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: {exc}; use an earlier tag") from None
+    _check_no_shared_bytes(tensors, tag_dir / spec.MANIFEST)
     names = {t.name for t in tensors}
     for alias, canonical in manifest.aliases.items():
         if canonical not in names:
             raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: alias {alias} -> {canonical}, which is not "
                                          f"stored; the manifest is damaged")
-    sources = tuple(SourceFile(str(tag_dir / f), meta.role, meta.rank, (tag_dir / f).stat().st_size)
+    sources = tuple(SourceFile(str(tag_dir / f), meta.role, meta.rank, meta.size,
+                               (Checksum(0, meta.size, "sha256", meta.sha256, "the file"),))
                     for f, meta in sorted(files.listed.items()))
     sources += (SourceFile(str(tag_dir / spec.MANIFEST), "manifest", None, (tag_dir / spec.MANIFEST).stat().st_size),)
     return CheckpointPlan(source=str(tag_dir), format="engine", stage=manifest.stage,
