@@ -29,7 +29,9 @@ DS = "z2_bf16_ws2_tied_g2"  # stage 2, 2 ranks, bf16, tied, 2 param groups
 def engine_ckpt(tmp_path_factory) -> Path:
     """An engine-native checkpoint (2 ranks, stage 2) made by `zckpt reshard` from a committed DeepSpeed fixture."""
     out = tmp_path_factory.mktemp("engine") / "ckpt"
-    zckpt.reshard(FIXTURES / DS / "ckpt", out, world_size=2)
+    from zckpt.reshard import reshard
+
+    reshard(FIXTURES / DS / "ckpt", out, world_size=2)
     return out
 
 

@@ -49,7 +49,8 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
 
     from .assemble import parse_dtype
     from .integrity import checked, regions_read
-    from .outdir import check_output, staged_output
+    from .outdir import check_output, check_space, staged_output
+    from .verify import consolidate_needs
     from .writers import WRITERS
 
     started = time.perf_counter()
@@ -59,6 +60,8 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     _check_config(plan.model_dir)
+    check_space(out, consolidate_needs(plan, dtype, workers)[0],
+                f"the consolidated model ({dtype or 'as stored'})")
     if push_to is not None:
         from .hub import check_can_push
 

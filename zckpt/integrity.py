@@ -47,6 +47,25 @@ def _intervals(tensors: Iterable[TensorPlan], with_state: bool) -> dict[str, lis
     return out
 
 
+def check_disjoint(tensors: Iterable[TensorPlan], where: object) -> None:
+    """No byte of a file belongs to two fragments (of one tensor or two, weights or optimizer state): a fragment
+    pointing into another parameter's bytes would silently duplicate it. ``where`` names the source in messages."""
+    spans: dict[str, list[tuple[int, int, str]]] = defaultdict(list)
+    for t in tensors:
+        for label, dtype, frags in ((t.name, t.dtype, t.fragments),
+                                    *((f"{t.name}/{s.key}", s.dtype, s.fragments) for s in t.state)):
+            size = DTYPE_SIZES[dtype]
+            for f in frags:
+                if f.numel:
+                    spans[f.path].append((f.offset, f.offset + f.numel * size, label))
+    for path, items in spans.items():
+        items.sort()
+        for (_, end, first), (start, _, second) in zip(items, items[1:]):
+            if start < end:
+                raise CheckpointCorruptError(f"{where}: {second} and {first} claim the same bytes of {path}; the "
+                                             "checkpoint is damaged, use an earlier one")
+
+
 def tensors_read(plan: CheckpointPlan, with_state: bool) -> list[TensorPlan]:
     """The tensors a command reads: the plan's, plus the optimizer groups' scalars with ``with_state``."""
     tensors = list(plan.tensors)

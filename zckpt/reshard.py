@@ -112,9 +112,10 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     from tqdm.auto import tqdm
 
     from .integrity import checked, regions_read
-    from .outdir import check_output, staged_output
+    from .outdir import check_output, check_space, staged_output
+    from .verify import reshard_needs
     from .writers import WRITERS
-    from .writers.engine_native import require_training_state
+    from .writers.engine_native import layout_for, require_training_state
 
     started = time.perf_counter()
     out = Path(out)
@@ -126,6 +127,7 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     writer = WRITERS["engine"]
     total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
+    check_space(out, reshard_needs(plan, layout_for(plan, target))[0], f"the checkpoint for {world_size} ranks")
     with staged_output(out, overwrite) as staging, checked(regions_read(plan, with_state=True)), \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
         manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())

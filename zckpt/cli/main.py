@@ -176,6 +176,25 @@ def inspect(src: SrcArg, tag: TagOpt = None, as_json: JsonOpt = False) -> None:
         raise typer.Exit(2)
 
 
+@app.command(epilog="Examples:\n\n\b\n  zckpt verify ckpts/\n  zckpt verify out/ --deep\n"
+                    "  zckpt verify ckpts/ --tag global_step100 --json")
+def verify(
+    src: SrcArg,
+    tag: TagOpt = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Check every checksum the checkpoint records, not only "
+                                                      "those of the weights and optimizer state.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check that a checkpoint is usable: files present and consistent across ranks, latest / COMMITTED, headers,
+    fragment maps, sha256 / CRC-32; estimate the disk and RAM consolidate / reshard need. Exit 0 only if usable."""
+    from ..verify import render, verify as run
+
+    report = run(src, tag, deep=deep)
+    print(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
+    if not report.usable:
+        raise typer.Exit(2)
+
+
 @app.command(epilog="Example:\n\n  zckpt demo")
 def demo(
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the model (default: a temp dir).")]

@@ -17,6 +17,7 @@ from pathlib import Path
 
 from engine import checkpoint_format as spec
 from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError, source_os_error
+from zckpt.integrity import check_disjoint
 from zckpt.safetensors_header import HeaderError, read_header
 from zckpt.plan import (DTYPE_SIZES, CheckpointPlan, Checksum, Fragment, OptimizerGroup, SourceFile,
                         StatePlan, TensorPlan, TrainingState)
@@ -179,25 +180,6 @@ def _check_ranks(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Non
                                      f"is for {manifest.tag[:80]!r}; the folder mixes two saves, use an earlier tag")
 
 
-def _check_no_shared_bytes(tensors: list[TensorPlan], where: Path) -> None:
-    """No byte of a file belongs to two fragments (of one tensor or two): a fragment pointing into another
-    parameter's bytes would silently duplicate it."""
-    spans: dict[str, list[tuple[int, int, str]]] = {}
-    for t in tensors:
-        for label, dtype, frags in ((t.name, t.dtype, t.fragments),
-                                    *((f"{t.name}/{s.key}", s.dtype, s.fragments) for s in t.state)):
-            size = DTYPE_SIZES[dtype]
-            for f in frags:
-                if f.numel:
-                    spans.setdefault(f.path, []).append((f.offset, f.offset + f.numel * size, label))
-    for path, items in spans.items():
-        items.sort()
-        for (_, end, first), (start, _, second) in zip(items, items[1:]):
-            if start < end:
-                raise CheckpointCorruptError(f"{where}: {second} and {first} claim the same bytes of {path}; the "
-                                             "manifest is damaged, use an earlier tag")
-
-
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
     """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``): weights and training state."""
     tag_dir = Path(tag_dir)
@@ -215,7 +197,7 @@ def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
             plan.validate()
         except ValueError as exc:
             raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: {exc}; use an earlier tag") from None
-    _check_no_shared_bytes(tensors, tag_dir / spec.MANIFEST)
+    check_disjoint(tensors, tag_dir / spec.MANIFEST)
     names = {t.name for t in tensors}
     for alias, canonical in manifest.aliases.items():
         if canonical not in names:
