@@ -64,11 +64,24 @@ def flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-def manifest_edit(tag_dir: Path, edit) -> None:
+def manifest_edit(tag_dir: Path, edit, recommit: bool = True) -> None:
+    """Edit the manifest; with ``recommit`` also rewrite COMMITTED's manifest sha256, as a crafted checkpoint would
+    (so the structural checks, not the digest, must catch the edit)."""
+    from engine import checkpoint_format as spec
+
     path = tag_dir / "manifest.json"
     obj = json.loads(path.read_text())
     obj = edit(obj) or obj
     path.write_text(json.dumps(obj))
+    if recommit:
+        tag, _ = spec.parse_committed((tag_dir / "COMMITTED").read_bytes())
+        (tag_dir / "COMMITTED").write_bytes(spec.committed_text(tag, path.read_bytes()))
+
+
+def test_manifest_edited_after_the_save_is_caught_by_committed_digest(capsys, engine_copy, tmp_path):
+    manifest_edit(engine_copy / "global_step3", lambda o: o["params"][0].update(name="renamed.weight"),
+                  recommit=False)
+    refused(capsys, tmp_path, engine_copy, match=("manifest.json", "COMMITTED", "sha256"))
 
 
 # --- 1. integrity on every read ----------------------------------------------------------------------------------

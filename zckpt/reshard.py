@@ -62,7 +62,9 @@ def _hidden_size(plan: CheckpointPlan) -> int | None:
         return None
     try:
         cfg = json.loads((Path(plan.model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(cfg, dict):
         return None
     for key in ("hidden_size", "d_model", "n_embd"):
         if isinstance(cfg.get(key), int):

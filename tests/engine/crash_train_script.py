@@ -41,6 +41,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=1000)
     ap.add_argument("--die-rank", type=int, default=None)
     ap.add_argument("--die-at-step", type=int, default=None)
+    ap.add_argument("--no-dump", action="store_true", help="do not write resumed_state.pt (a file-size limit)")
     args = ap.parse_args()
 
     import torch
@@ -61,7 +62,7 @@ def main() -> None:
         path, _client = eng.load_checkpoint(save_dir)
         start = eng.global_steps
         state = eng.fp32_state_dict()  # collective
-        if rank == 0:
+        if rank == 0 and not args.no_dump:
             torch.save(state, out / "resumed_state.pt")
             (out / "resumed.json").write_text(json.dumps({"tag": Path(path).name, "step": start,
                                                           "sha256": weights_digest(state)}))

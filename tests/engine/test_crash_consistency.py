@@ -57,8 +57,9 @@ def start(save_dir: Path, out: Path, *, launcher: str, steps: int = 1000, extra:
     else:
         quoted = " ".join(f"'{a}'" for a in args)
         rank = f"MASTER_ADDR=127.0.0.1 MASTER_PORT={port} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2"
-        cmd = ["sh", "-c", f"RANK=0 LOCAL_RANK=0 {rank} {sys.executable} {quoted} & "
-                           f"RANK=1 LOCAL_RANK=1 {rank} {sys.executable} {quoted} & wait"]
+        cmd = ["sh", "-c", f"RANK=0 LOCAL_RANK=0 {rank} {sys.executable} {quoted} & p0=$!; "
+                           f"RANK=1 LOCAL_RANK=1 {rank} {sys.executable} {quoted} & p1=$!; "
+                           "wait $p0; a=$?; wait $p1; b=$?; exit $((a | b))"]
     return subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True,
                             start_new_session=True, preexec_fn=preexec)
 
@@ -175,7 +176,8 @@ def test_disk_full_mid_save_keeps_the_old_checkpoint(tmp_path):
     before = check_left(save_dir)
     assert before == ("global_step2", 2)
     sizes = [p.stat().st_size for p in (save_dir / "global_step2").iterdir()]
-    proc = start(save_dir, tmp_path / "b", launcher="sh", steps=2, preexec=_limit_file_size(max(sizes) // 2))
+    proc = start(save_dir, tmp_path / "b", launcher="sh", steps=2, extra=("--no-dump",),
+                 preexec=_limit_file_size(max(sizes) // 2))
     assert proc.wait(timeout=300) != 0
     err = proc.stderr.read()
     proc.stderr.close()

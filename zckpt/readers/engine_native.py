@@ -5,7 +5,7 @@ this module parses each safetensors header (8-byte little-endian length, then JS
 ``data_offsets`` relative to the end of the header) to turn those into absolute byte offsets.
 
 Checks, each failing with a one-line :mod:`zckpt.errors` message naming the file and the fix:
-``COMMITTED`` present, every listed file present with the recorded size (CheckpointIncompleteError); manifest format,
+``COMMITTED`` present and naming the manifest's sha256, every listed file present with the recorded size (CheckpointIncompleteError); manifest format,
 header sanity (length, offsets inside the file, no overlaps), keys/dtypes/extents as the manifest says, fragments
 tiling each tensor exactly (CheckpointCorruptError).
 """
@@ -172,7 +172,7 @@ def _check_ranks(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Non
                         f"manifest says rank {r} holds {group.partition_numel} of group {g}; the ranks' files are "
                         "from different saves, use an earlier tag")
     try:
-        marker = (files.tag_dir / spec.COMMITTED).read_bytes()[:4096].decode("utf-8", "replace").strip()
+        marker, _ = spec.parse_committed((files.tag_dir / spec.COMMITTED).read_bytes())
     except OSError as exc:
         raise source_os_error(exc) from None
     if marker and marker != manifest.tag:
@@ -180,9 +180,30 @@ def _check_ranks(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Non
                                      f"is for {manifest.tag[:80]!r}; the folder mixes two saves, use an earlier tag")
 
 
+def _check_manifest_digest(tag_dir: Path) -> None:
+    """The manifest's bytes match the sha256 that ``COMMITTED`` records (checkpoints saved before the marker held
+    it have no digest: their manifest is checked for structure only)."""
+    import hashlib
+
+    try:
+        _, digest = spec.parse_committed((tag_dir / spec.COMMITTED).read_bytes())
+        if digest is None:
+            return
+        got = hashlib.sha256((tag_dir / spec.MANIFEST).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return  # reported by the manifest reader (no COMMITTED: incomplete; no manifest: not a checkpoint)
+    except OSError as exc:
+        raise source_os_error(exc) from None
+    if got != digest:
+        raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST} does not match the sha256 recorded in "
+                                     f"{spec.COMMITTED} (sha256 {got[:16]}..., recorded {digest[:16]}...): it was "
+                                     "edited or damaged after the save; use an earlier tag")
+
+
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
     """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``): weights and training state."""
     tag_dir = Path(tag_dir)
+    _check_manifest_digest(tag_dir)
     manifest = _read_manifest(tag_dir)
     files = _Files(tag_dir, manifest)
     for fname in files.listed:
