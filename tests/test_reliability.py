@@ -355,3 +355,17 @@ def test_library_raises_typed_errors_on_write_failure(monkeypatch, tmp_path):
     with pytest.raises(OutputWriteError):
         zckpt.consolidate(FIXTURES / DS / "ckpt", tmp_path / "out")
     assert os.listdir(tmp_path) == []
+
+
+def test_names_from_a_checkpoint_are_printed_without_control_characters(capsys, engine_copy, tmp_path):
+    def edit(obj):
+        canonical = obj["params"][0]["name"]
+        obj["aliases"] = {"evil\x1b]0;title\x07\x1b[2J.weight": canonical}
+
+    manifest_edit(engine_copy / "global_step3", edit)
+    for args in (("inspect", engine_copy), ("consolidate", engine_copy, tmp_path / "out", "--quiet"),
+                 ("verify", engine_copy)):
+        code, out, err = cli(capsys, *args)
+        assert code == 0, err
+        assert "\x1b" not in out + err and "\x07" not in out + err, (args, out)
+    assert "evil" in cli(capsys, "inspect", engine_copy)[1]

@@ -35,6 +35,14 @@ DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on erro
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")]
 
 
+def _say(text: str) -> None:
+    """Print a command's report: each line made printable (names and values quoted from a checkpoint may hold
+    control characters; JSON output escapes them itself)."""
+    from ..errors import printable
+
+    print("\n".join(printable(line, 10**6) for line in text.split("\n")))
+
+
 def _out_arg(what: str):
     return Annotated[Path, typer.Argument(help=f"{what} (must not exist or be empty, unless --overwrite).",
                                           show_default=False)]
@@ -82,15 +90,15 @@ def consolidate(
     from ..report import human_bytes
 
     tied = ", ".join(f"{a} -> {c}" for a, c in result.tied.items()) or "none"
-    print(f"wrote {result.out}: {result.tensors} tensors, {result.parameters:,} parameters, {result.dtype}, "
+    _say(f"wrote {result.out}: {result.tensors} tensors, {result.parameters:,} parameters, {result.dtype}, "
           f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s) [{result.seconds:.2f}s]")
-    print(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
+    _say(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
     if result.copied:
-        print(f"  copied: {', '.join(result.copied)}")
+        _say(f"  copied: {', '.join(result.copied)}")
     if result.push is not None:
         from ..hub import PushResult, render
 
-        print("\n".join(render(PushResult(**result.push))))
+        _say("\n".join(render(PushResult(**result.push))))
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
@@ -126,10 +134,10 @@ def reshard(
         return
     from ..report import human_bytes
 
-    print(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
+    _say(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
           f"{', '.join(result.state_keys)}; {human_bytes(result.bytes_written)} in {len(result.files)} file(s) "
           f"[{result.seconds:.2f}s]")
-    print(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
+    _say(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
           f"{result.to_world_size}, ZeRO stage {result.from_stage} -> {result.to_stage}")
 
 
@@ -162,7 +170,7 @@ def push(
     result = run(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
                  create_pr=create_pr, token=token, dry_run=dry_run, overwrite_card=overwrite_card,
                  quiet=quiet or as_json)
-    print(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(render(result)))
+    _say(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(render(result)))
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt inspect ckpts/\n  zckpt inspect out/checkpoint-500 --json")
@@ -171,7 +179,7 @@ def inspect(src: SrcArg, tag: TagOpt = None, as_json: JsonOpt = False) -> None:
     from ..report import inspect as run, render
 
     report = run(src, tag)
-    print(json.dumps(report, indent=2) if as_json else render(report))
+    _say(json.dumps(report, indent=2) if as_json else render(report))
     if report["problem"]:
         raise typer.Exit(2)
 
@@ -190,7 +198,7 @@ def verify(
     from ..verify import render, verify as run
 
     report = run(src, tag, deep=deep)
-    print(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
+    _say(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
     if not report.usable:
         raise typer.Exit(2)
 
