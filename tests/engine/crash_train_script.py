@@ -5,7 +5,8 @@
 Used by tests/engine/test_crash_consistency.py, which SIGKILLs the whole process group (launcher and ranks) at a
 random moment and then checks what is left. On start, when ``S/latest`` exists, every rank loads it; rank 0 writes
 ``O/resumed.json`` (the tag, the step and a sha256 of the loaded fp32 weights) so the test can compare the resume
-with what zckpt reads from that tag (``O/resumed_state.pt``: the loaded fp32 state dict). ``O/training`` appears when the first step starts; ``O/done`` when all ran.
+with what zckpt reads from that tag (``O/resumed_state.pt``: the loaded fp32 state dict). ``O/training`` appears
+when the first step starts; ``O/done.rank<r>`` when all ran.
 ``--die-rank R --die-at-step K``: rank R exits abruptly (os._exit) in the middle of save K (after its rank files,
 before the commit), while the other rank carries on.
 """

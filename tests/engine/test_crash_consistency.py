@@ -73,10 +73,48 @@ def wait_for(path: Path, proc: subprocess.Popen, timeout: float = 240) -> None:
         time.sleep(0.02)
 
 
+def _descendants(pid: int) -> list[int]:
+    found, stack = [], [pid]
+    while stack:
+        parent = stack.pop()
+        for task in Path(f"/proc/{parent}/task").glob("*"):
+            try:
+                kids = [int(k) for k in (task / "children").read_text().split()]
+            except OSError:
+                continue
+            found += kids
+            stack += kids
+    return found
+
+
 def kill_group(proc: subprocess.Popen) -> None:
+    """SIGKILL the launcher and every rank at once: the launcher's process group, and every descendant wherever it
+    is (torchrun starts its workers in process groups of their own, which a group kill alone would miss)."""
+    victims = _descendants(proc.pid)
+    for pid in victims:  # freeze first, so that nothing runs on between the kills
+        try:
+            os.kill(pid, signal.SIGSTOP)
+        except ProcessLookupError:
+            pass
     os.killpg(proc.pid, signal.SIGKILL)
+    for pid in victims:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
     proc.wait(timeout=60)
     proc.stderr.close()
+    deadline = time.monotonic() + 30
+    while any(Path(f"/proc/{pid}").exists() and "zombie" not in _state(pid) for pid in victims):
+        assert time.monotonic() < deadline, "a rank survived SIGKILL"
+        time.sleep(0.01)
+
+
+def _state(pid: int) -> str:
+    try:
+        return Path(f"/proc/{pid}/status").read_text().split("State:", 1)[1].split("\n", 1)[0]
+    except (OSError, IndexError):
+        return "zombie"
 
 
 def check_left(save_dir: Path) -> tuple[str, int] | None:

@@ -5,9 +5,11 @@ this module parses each safetensors header (8-byte little-endian length, then JS
 ``data_offsets`` relative to the end of the header) to turn those into absolute byte offsets.
 
 Checks, each failing with a one-line :mod:`zckpt.errors` message naming the file and the fix:
-``COMMITTED`` present and naming the manifest's sha256, every listed file present with the recorded size (CheckpointIncompleteError); manifest format,
-header sanity (length, offsets inside the file, no overlaps), keys/dtypes/extents as the manifest says, fragments
-tiling each tensor exactly (CheckpointCorruptError).
+``COMMITTED`` present, every listed file present with the recorded size (CheckpointIncompleteError); the manifest's
+sha256 as ``COMMITTED`` records it, manifest format, header sanity (length, offsets inside the file, no overlaps),
+keys/dtypes/extents as the manifest says, every rank's files and partition sizes, fragments tiling each tensor exactly
+and sharing no byte (CheckpointCorruptError). The files' sha256 are checked when their bytes are read
+(:mod:`zckpt.integrity`).
 """
 
 from __future__ import annotations
