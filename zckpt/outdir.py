@@ -205,7 +205,8 @@ def staged_output(out: Path, overwrite: bool) -> Iterator[Path]:
         try:
             yield staging
             _fsync_dir_files(staging)
-            _publish(staging, out, overwrite)
+            with _signals_ignored():  # the renames are not interrupted half-way (they take microseconds)
+                _publish(staging, out, overwrite)
         except BaseException as exc:
             with _signals_ignored():
                 _remove(staging)

@@ -160,11 +160,20 @@ def run_trials(tmp_path: Path, trials: int, launcher: str, max_delay: float) -> 
         check_resumed(out, save_dir, expected)
         delay = rng.uniform(0, max_delay)
         time.sleep(delay)
+        partial_before = _partial_saves(save_dir)
         kill_group(proc)
         expected = check_left(save_dir)
-        log.append({"trial": trial, "delay_s": round(delay, 3), "latest": expected})
-    print(f"crash trials (seed {SEED}, {launcher}): {json.dumps(log)}")
+        log.append({"trial": trial, "delay_s": round(delay, 3), "latest": expected,
+                    "mid_save": len(_partial_saves(save_dir) - partial_before) > 0})
+    mid = sum(entry["mid_save"] for entry in log)
+    print(f"crash trials (seed {SEED}, {launcher}): {trials} kills, {mid} inside a save (its temporary folder "
+          f"left), {len({e['latest'] for e in log})} distinct latest tags: {json.dumps(log)}")
     return log
+
+
+def _partial_saves(save_dir: Path) -> set[str]:
+    """The engine's temporary folders of saves that a kill interrupted (``.<tag>.tmp-*``)."""
+    return {p.name for p in save_dir.glob(".*.tmp-*")} if save_dir.exists() else set()
 
 
 def test_sigkill_at_random_moments(tmp_path):
@@ -182,6 +191,7 @@ def test_sigkill_at_random_moments_50_torchrun(tmp_path):
     log = run_trials(tmp_path, 50, "torchrun", max_delay=2.0)
     assert len(log) == 50
     assert len({entry["latest"] for entry in log}) > 10, "the kills should land at many different steps"
+    assert any(entry["latest"] is not None and entry["mid_save"] for entry in log), "no kill landed inside a save"
 
 
 @pytest.mark.slow
