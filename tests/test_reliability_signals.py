@@ -160,3 +160,22 @@ def test_library_interrupt_removes_staging(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         zckpt.consolidate(DS, tmp_path / "out")
     assert os.listdir(tmp_path) == []
+
+
+def test_real_file_size_limit_mid_write_is_one_line_and_leaves_nothing(tmp_path):
+    """A real EFBIG (RLIMIT_FSIZE below the output's size, as a disk filling up mid-write): one line naming OUT's
+    file and errno, exit 2, no OUT, no staging."""
+    import resource
+
+    def limit():
+        signal.signal(signal.SIGXFSZ, signal.SIG_IGN)
+        resource.setrlimit(resource.RLIMIT_FSIZE, (20_000, 20_000))
+
+    out = tmp_path / "out"
+    env = dict(os.environ, PYTHONPATH=str(ROOT))
+    proc = subprocess.run([sys.executable, "-m", "zckpt", "consolidate", str(DS), str(out), "--quiet", "--dtype",
+                           "fp32"], env=env, capture_output=True, text=True, timeout=120, preexec_fn=limit)
+    lines = proc.stderr.strip().splitlines()
+    assert proc.returncode == 2 and len(lines) == 1, proc.stderr
+    assert "EFBIG" in lines[0] and f"error: {out}:" in lines[0] and "ulimit" in lines[0], lines[0]
+    assert not out.exists() and _staging(tmp_path) == []

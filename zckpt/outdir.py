@@ -222,6 +222,8 @@ def _os_error(exc: OSError, staging: Path, out: Path) -> ZckptError:
         return source_os_error(exc)
     if name is not None and name.startswith(str(staging)):
         exc.filename = str(out / os.path.relpath(name, staging))  # name the file as the user will know it
+    elif name is None:
+        exc.filename = str(out)  # a write on an open file (pwrite) names no file: name OUT
     return output_os_error(exc)
 
 
