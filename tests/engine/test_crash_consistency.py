@@ -150,6 +150,7 @@ def run_trials(tmp_path: Path, trials: int, launcher: str, max_delay: float) -> 
     for trial in range(trials + 1):
         out = tmp_path / f"run{trial}"
         last = trial == trials
+        partial_before = _partial_saves(save_dir)
         proc = start(save_dir, out, launcher=launcher, steps=1 if last else 1000)
         if last:  # the final launch only resumes (and trains one step) to check the last kill
             assert proc.wait(timeout=300) == 0, proc.stderr.read()
@@ -160,7 +161,6 @@ def run_trials(tmp_path: Path, trials: int, launcher: str, max_delay: float) -> 
         check_resumed(out, save_dir, expected)
         delay = rng.uniform(0, max_delay)
         time.sleep(delay)
-        partial_before = _partial_saves(save_dir)
         kill_group(proc)
         expected = check_left(save_dir)
         log.append({"trial": trial, "delay_s": round(delay, 3), "latest": expected,
