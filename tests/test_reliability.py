@@ -369,3 +369,15 @@ def test_names_from_a_checkpoint_are_printed_without_control_characters(capsys, 
         assert code == 0, err
         assert "\x1b" not in out + err and "\x07" not in out + err, (args, out)
     assert "evil" in cli(capsys, "inspect", engine_copy)[1]
+
+
+def test_latest_symlinked_into_a_cache_blob_still_works(capsys, copy_fixture, tmp_path):
+    """The Hugging Face cache links every file to a blob outside the folder: a `latest` that names a tag is fine."""
+    src = copy_fixture(DS)
+    blob = tmp_path / "blobs" / "abc123"
+    blob.parent.mkdir()
+    blob.write_text("global_step3")
+    (src / "latest").unlink()
+    (src / "latest").symlink_to(blob)
+    code, _, err = cli(capsys, "consolidate", src, tmp_path / "out", "--quiet")
+    assert code == 0, err

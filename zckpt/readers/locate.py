@@ -67,15 +67,23 @@ def _listable(folder: Path) -> None:
         raise source_os_error(exc) from None
 
 
+def _links_outside(latest: Path, save_dir: Path) -> bool:
+    return latest.is_symlink() and save_dir.resolve() not in latest.resolve().parents
+
+
 def _check_latest_file(save_dir: Path) -> None:
-    """``latest`` must be a small file inside the save dir: never follow it out of the checkpoint (its content
-    would be quoted in messages) or read a folder."""
+    """``latest`` must be a file. One that is a symlink leaving the checkpoint (the Hugging Face cache links every
+    file to a blob) is accepted only when it names a tag folder that exists: its content is never quoted, as it may
+    be a system file's."""
     latest = save_dir / "latest"
-    if latest.is_symlink():
-        target = latest.resolve()
-        if save_dir.resolve() not in target.parents:
-            raise CheckpointCorruptError(f"{latest} is a symlink to a file outside the checkpoint; 'latest' should "
-                                         f"be a file naming a tag folder — replace it, or pass --tag with one of: "
+    if _links_outside(latest, save_dir) and latest.is_file():
+        try:
+            tag = spec.read_latest(save_dir)
+        except spec.FormatError:
+            tag = None
+        if tag is None or not (save_dir / tag).is_dir():
+            raise CheckpointCorruptError(f"{latest} is a symlink to a file outside the checkpoint that does not name "
+                                         f"one of its tag folders; replace it, or pass --tag with one of: "
                                          f"{_list_tags(save_dir)}")
     if latest.exists() and not latest.is_file():
         raise CheckpointCorruptError(f"{latest} is {_what(latest)}; it should be a file naming a tag folder — "
