@@ -141,8 +141,22 @@ def _owner_gone(folder: Path) -> bool:
         return False
     if pid == os.getpid():
         return False
-    start = _start_time(pid)
-    return start is None or (info.get("start") is not None and start != info["start"])
+    return not _alive(pid, info.get("start"))
+
+
+def _alive(pid: int, start: str | None) -> bool:
+    """Is process ``pid`` (started at ``start``, when known) still running? With /proc the start time tells a reused
+    pid apart; without it (macOS), whether the pid exists."""
+    if Path("/proc/self/stat").exists():
+        now = _start_time(pid)
+        return now is not None and (start is None or now == start)
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
 
 
 def clean_stale(parent: Path) -> list[Path]:
