@@ -113,7 +113,7 @@ _OS_FIXES = {
     _errno.EROFS: ("read-only file system", "choose a {role} on a writable file system"),
     _errno.EISDIR: ("a folder is where a file should be", "remove or rename that folder"),
     _errno.ENOTDIR: ("a file is where a folder should be", "remove or rename that file"),
-    _errno.EEXIST: ("it exists and is not a folder", "choose a {role} whose parent folders are folders"),
+    _errno.EEXIST: ("it exists and is not a folder", "every parent of {role} must be a folder; choose another path"),
     _errno.ELOOP: ("too many levels of symbolic links (a symlink loop)", "fix the link so it names a real path"),
     _errno.ENOENT: ("no such file or folder", "check the path; it may have been removed while zckpt ran"),
     _errno.EIO: ("input/output error from the device", "check the disk (dmesg); copy the files elsewhere"),
