@@ -12,7 +12,8 @@ Layout of ``save_dir/<tag>/`` (default tag ``global_step{N}``)::
     manifest.json                   :class:`Manifest`: stage, world size, dtypes, the partition layout (units), every
                                     param's name, shape and fragments, aliases (tied), frozen, buffers, counters,
                                     scheduler / loss-scaler state, client_state, config, size + sha256 of every file
-    COMMITTED                       written last (after the manifest, both fsynced); a tag without it is incomplete
+    COMMITTED                       written last (after the manifest, both fsynced); a tag without it is incomplete;
+                                    holds the tag and the sha256 of manifest.json (:func:`committed_text`)
 
 ``save_dir/latest`` holds the newest committed tag; it is replaced atomically (temp file, fsync, rename) and only
 after the tag folder is committed. A tag folder is "ours" only when its manifest says ``format: zckpt-engine``:
@@ -459,8 +460,26 @@ def write_latest(save_dir: Path, tag: str) -> None:
     fsync_path(save_dir)
 
 
+def committed_text(tag: str, manifest_bytes: bytes) -> bytes:
+    """``COMMITTED``'s content: the tag, then the sha256 of ``manifest.json``'s bytes (which lists every other file's
+    sha256, so the marker covers the whole checkpoint)."""
+    import hashlib
+
+    return f"{tag}\nmanifest-sha256 {hashlib.sha256(manifest_bytes).hexdigest()}\n".encode()
+
+
+def parse_committed(raw: bytes) -> tuple[str, str | None]:
+    """``(tag, manifest sha256 or None)`` from ``COMMITTED``'s bytes (checkpoints before the hash hold the tag)."""
+    lines = raw[:4096].decode("utf-8", "replace").splitlines()
+    tag = lines[0].strip() if lines else ""
+    digest = next((line.split()[1] for line in lines[1:] if line.startswith("manifest-sha256 ")
+                   and len(line.split()) == 2), None)
+    return tag, digest
+
+
 def commit(tag_dir: Path, manifest: Manifest) -> None:
     """Write ``manifest.json`` then ``COMMITTED`` into the (temporary) tag folder, each fsynced, then the folder."""
-    write_durable(tag_dir / MANIFEST, manifest.dumps())
-    write_durable(tag_dir / COMMITTED, f"{manifest.tag}\n".encode())
+    data = manifest.dumps()
+    write_durable(tag_dir / MANIFEST, data)
+    write_durable(tag_dir / COMMITTED, committed_text(manifest.tag, data))
     fsync_path(tag_dir)

@@ -48,7 +48,9 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     from tqdm.auto import tqdm
 
     from .assemble import parse_dtype
-    from .outdir import check_output, staged_output
+    from .integrity import checked, regions_read
+    from .outdir import check_output, check_space, staged_output
+    from .verify import consolidate_needs
     from .writers import WRITERS
 
     started = time.perf_counter()
@@ -58,12 +60,14 @@ def consolidate(src: str | Path, out: str | Path, *, dtype: "str | torch.dtype" 
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     _check_config(plan.model_dir)
+    check_space(out, consolidate_needs(plan, dtype, workers)[0],
+                f"the consolidated model ({dtype or 'as stored'})")
     if push_to is not None:
         from .hub import check_can_push
 
         check_can_push(push_to)
     writer = WRITERS["hf"]
-    with staged_output(out, overwrite) as staging, \
+    with staged_output(out, overwrite) as staging, checked(regions_read(plan)), \
             tqdm(total=writer.total_bytes(plan), unit="B", unit_scale=True, unit_divisor=1024, desc="consolidate",
                  disable=quiet) as bar:
         written = writer.write(plan, staging, bar.update, dtype=dtype, max_shard_size=max_shard_size,
@@ -124,9 +128,12 @@ def _check_config(model_dir: str | None) -> None:
         return
     path = Path(model_dir) / "config.json"
     try:
-        json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError) as exc:
+        config = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
         raise CheckpointCorruptError(f"{path} is not valid JSON ({exc}); fix or remove it") from None
+    if not isinstance(config, dict):
+        raise CheckpointCorruptError(f"{path} holds a JSON {type(config).__name__}, not an object; a model config is "
+                                     "an object such as {\"model_type\": ...}; fix or remove it")
 
 
 def iter_state_dict(src: str | Path, dtype: "str | torch.dtype | None" = "fp32", *, tag: str | None = None,
@@ -134,16 +141,20 @@ def iter_state_dict(src: str | Path, dtype: "str | torch.dtype | None" = "fp32",
                     ) -> Iterator[tuple[str, "torch.Tensor"]]:
     """Yield ``(name, tensor)`` one at a time, floating tensors cast to ``dtype`` (None: as stored).
 
-    Tied aliases are not yielded; ``zckpt.open_plan(src).aliases`` lists them.
+    Tied aliases are not yielded; ``zckpt.open_plan(src).aliases`` lists them. The checksums of the bytes read
+    (:mod:`zckpt.integrity`) are checked beside the reads and confirmed after the last tensor: a mismatch raises
+    :class:`~zckpt.errors.CheckpointCorruptError` at the end of the iteration.
     """
     from .assemble import default_workers, iter_assembled, parse_dtype
+    from .integrity import checked, regions_read
     from .tensors import cast, read_tensor
 
     name = parse_dtype(dtype)
     plan = open_plan(src, tag, exclude_frozen=exclude_frozen)
-    for tplan, tensor in iter_assembled(plan.tensors, lambda t, files: cast(read_tensor(t, files), name),
-                                        workers=workers or default_workers()):
-        yield tplan.name, tensor
+    with checked(regions_read(plan)):
+        for tplan, tensor in iter_assembled(plan.tensors, lambda t, files: cast(read_tensor(t, files), name),
+                                            workers=workers or default_workers()):
+            yield tplan.name, tensor
 
 
 def load_state_dict(src: str | Path, dtype: "str | torch.dtype | None" = "fp32", *, tag: str | None = None,

@@ -340,7 +340,9 @@ def push(folder: str | Path, repo_id: str, *, private: bool = False, revision: s
                         skipped=[{"name": n, "why": w} for n, w in plan.skipped], card=plan.card_source,
                         bytes=sum(f.size for f in plan.files), warnings=list(plan.warnings))
     if not dry_run:
-        with _progress(quiet):
+        from .outdir import signals_raise
+
+        with _progress(quiet), signals_raise():  # SIGTERM/SIGHUP end it like Ctrl-C: the commit is all or nothing
             _push_plan(plan, result, private=private, commit_message=commit_message, create_pr=create_pr,
                        token=token, overwrite_card=overwrite_card)
     result.seconds = round(time.perf_counter() - started, 3)

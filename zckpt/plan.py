@@ -107,6 +107,18 @@ class TensorPlan:
 
 
 @dataclass(frozen=True)
+class Checksum:
+    """A checksum the source records over bytes ``[offset, offset + length)`` of a file: ``sha256`` (hex digest of
+    a whole engine file) or ``crc32`` (a zip entry's CRC-32, as an int). Checked by :mod:`zckpt.integrity`."""
+
+    offset: int
+    length: int
+    algo: Literal["sha256", "crc32"]
+    expected: str | int
+    what: str = ""  # e.g. the zip entry's name, for messages
+
+
+@dataclass(frozen=True)
 class SourceFile:
     """A file the checkpoint consists of, for ``inspect`` and integrity checks."""
 
@@ -114,6 +126,8 @@ class SourceFile:
     role: str  # e.g. "model_states", "optim_states", "weights", "manifest"
     rank: int | None
     size: int | None  # None when missing
+    #: what the source records to check the file's bytes against (empty: nothing recorded)
+    checks: tuple[Checksum, ...] = ()
 
 
 @dataclass(frozen=True)

@@ -62,7 +62,9 @@ def _hidden_size(plan: CheckpointPlan) -> int | None:
         return None
     try:
         cfg = json.loads((Path(plan.model_dir) / "config.json").read_text(encoding="utf-8"))
-    except (OSError, ValueError):
+    except (OSError, ValueError, RecursionError):
+        return None
+    if not isinstance(cfg, dict):
         return None
     for key in ("hidden_size", "d_model", "n_embd"):
         if isinstance(cfg.get(key), int):
@@ -111,9 +113,11 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     """Write SRC's training state as an engine-native checkpoint for ``world_size`` ranks into OUT."""
     from tqdm.auto import tqdm
 
-    from .outdir import check_output, staged_output
+    from .integrity import checked, regions_read
+    from .outdir import check_output, check_space, staged_output
+    from .verify import reshard_needs
     from .writers import WRITERS
-    from .writers.engine_native import require_training_state
+    from .writers.engine_native import layout_for, require_training_state
 
     started = time.perf_counter()
     out = Path(out)
@@ -125,7 +129,8 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     writer = WRITERS["engine"]
     total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
-    with staged_output(out, overwrite) as staging, \
+    check_space(out, reshard_needs(plan, layout_for(plan, target))[0], f"the checkpoint for {world_size} ranks")
+    with staged_output(out, overwrite) as staging, checked(regions_read(plan, with_state=True)), \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
         manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
     return ReshardResult(

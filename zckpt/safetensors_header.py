@@ -51,7 +51,7 @@ def read_header(path: Path) -> tuple[int, dict[str, TensorSpan]]:
             raise HeaderError(f"{path}: safetensors header length {length} exceeds the file ({size} bytes)")
         try:
             header = json.loads(f.read(length))
-        except ValueError:
+        except (ValueError, RecursionError):
             header = None
     if not isinstance(header, dict):
         raise HeaderError(f"{path}: safetensors header is not a JSON object")
@@ -73,7 +73,7 @@ def _span(path: Path, key: str, info, data_bytes: int) -> TensorSpan:
         begin, end = (int(x) for x in info["data_offsets"])
         shape = tuple(int(d) for d in info["shape"])
         dtype = DTYPES_BY_SAFETENSORS_CODE.get(info["dtype"])
-    except (TypeError, KeyError, ValueError):
+    except (TypeError, KeyError, ValueError, OverflowError):  # OverflowError: int(Infinity)
         raise HeaderError(f"{path}: tensor {key!r} has a malformed header entry") from None
     if dtype is None or any(d < 0 for d in shape) or begin < 0 or end - begin != math.prod(shape) * DTYPE_SIZES[dtype]:
         raise HeaderError(f"{path}: tensor {key!r} has inconsistent dtype/shape/offsets")

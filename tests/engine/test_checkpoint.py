@@ -222,7 +222,11 @@ def test_reader_rejects_bad_fragment_coverage(run, tmp_path):
     manifest = json.loads((tag / "manifest.json").read_text())
     manifest["params"][0]["fragments"][0]["dest"] += 1
     (tag / "manifest.json").write_text(json.dumps(manifest))
-    with pytest.raises(CheckpointCorruptError):
+    from engine import checkpoint_format as spec  # re-commit (COMMITTED records the manifest's sha256): the
+
+    tag_name, _ = spec.parse_committed((tag / spec.COMMITTED).read_bytes())  # coverage check must catch it
+    (tag / spec.COMMITTED).write_bytes(spec.committed_text(tag_name, (tag / "manifest.json").read_bytes()))
+    with pytest.raises(CheckpointCorruptError, match="gap or overlap|cover"):
         read_engine_plan(tag)
 
 

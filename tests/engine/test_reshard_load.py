@@ -141,6 +141,9 @@ def weights_only_worker(rank: int, world_size: int, out: Path) -> None:
             del manifest["files"][name]
             (tag / name).unlink()
         (tag / "manifest.json").write_text(json.dumps(manifest, indent=1))
+        from engine import checkpoint_format as spec  # re-commit: COMMITTED records the manifest's sha256
+
+        (tag / spec.COMMITTED).write_bytes(spec.committed_text("global_step3", (tag / "manifest.json").read_bytes()))
     comm.barrier()
     eng = _engine(2, world_size, "fp32", 99)
     report = {}

@@ -62,6 +62,14 @@ def _best_or(src: Path, best: bool, tag: Optional[str]) -> Path:
     return best.path
 
 
+def _say(text: str) -> None:
+    """Print a command's report: each line made printable (names and values quoted from a checkpoint may hold
+    control characters; JSON output escapes them itself)."""
+    from ..errors import printable
+
+    print("\n".join(printable(line, 10**6) for line in text.split("\n")))
+
+
 def _out_arg(what: str):
     return Annotated[Path, typer.Argument(help=f"{what} (must not exist or be empty, unless --overwrite).",
                                           show_default=False)]
@@ -110,15 +118,15 @@ def consolidate(
     from ..report import human_bytes
 
     tied = ", ".join(f"{a} -> {c}" for a, c in result.tied.items()) or "none"
-    print(f"wrote {result.out}: {result.tensors} tensors, {result.parameters:,} parameters, {result.dtype}, "
+    _say(f"wrote {result.out}: {result.tensors} tensors, {result.parameters:,} parameters, {result.dtype}, "
           f"{human_bytes(result.bytes_written)} in {len(result.files)} file(s) [{result.seconds:.2f}s]")
-    print(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
+    _say(f"  from {result.source} (tag {result.tag}); tied, written once: {tied}")
     if result.copied:
-        print(f"  copied: {', '.join(result.copied)}")
+        _say(f"  copied: {', '.join(result.copied)}")
     if result.push is not None:
         from ..hub import PushResult, render
 
-        print("\n".join(render(PushResult(**result.push))))
+        _say("\n".join(render(PushResult(**result.push))))
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
@@ -156,10 +164,10 @@ def reshard(
         return
     from ..report import human_bytes
 
-    print(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
+    _say(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
           f"{', '.join(result.state_keys)}; {human_bytes(result.bytes_written)} in {len(result.files)} file(s) "
           f"[{result.seconds:.2f}s]")
-    print(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
+    _say(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
           f"{result.to_world_size}, ZeRO stage {result.from_stage} -> {result.to_stage}")
 
 
@@ -192,7 +200,7 @@ def push(
     result = run(folder, repo_id, private=private, revision=revision, commit_message=commit_message,
                  create_pr=create_pr, token=token, dry_run=dry_run, overwrite_card=overwrite_card,
                  quiet=quiet or as_json)
-    print(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(render(result)))
+    _say(json.dumps(result.to_dict(), indent=2) if as_json else "\n".join(render(result)))
 
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt inspect ckpts/\n  zckpt inspect out/checkpoint-500 --json")
@@ -201,7 +209,7 @@ def inspect(src: SrcArg, tag: TagOpt = None, as_json: JsonOpt = False) -> None:
     from ..report import inspect as run, render
 
     report = run(src, tag)
-    print(json.dumps(report, indent=2) if as_json else render(report))
+    _say(json.dumps(report, indent=2) if as_json else render(report))
     if report["problem"]:
         raise typer.Exit(2)
 
@@ -261,6 +269,25 @@ def prune(
         print(f"deleted {len(deleted)} checkpoint(s)")
 
 
+@app.command(epilog="Examples:\n\n\b\n  zckpt verify ckpts/\n  zckpt verify out/ --deep\n"
+                    "  zckpt verify ckpts/ --tag global_step100 --json")
+def verify(
+    src: SrcArg,
+    tag: TagOpt = None,
+    deep: Annotated[bool, typer.Option("--deep", help="Check every checksum the checkpoint records, not only "
+                                                      "those of the weights and optimizer state.")] = False,
+    as_json: JsonOpt = False,
+) -> None:
+    """Check that a checkpoint is usable: files present and consistent across ranks, latest / COMMITTED, headers,
+    fragment maps, sha256 / CRC-32; estimate the disk and RAM consolidate / reshard need. Exit 0 only if usable."""
+    from ..verify import render, verify as run
+
+    report = run(src, tag, deep=deep)
+    _say(json.dumps(report.to_dict(), indent=2) if as_json else render(report))
+    if not report.usable:
+        raise typer.Exit(2)
+
+
 @app.command(epilog="Example:\n\n  zckpt demo")
 def demo(
     out: Annotated[Optional[Path], typer.Option("--out", help="Where to write the model (default: a temp dir).")]
@@ -273,22 +300,61 @@ def demo(
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Run the CLI; library errors become ``error: <one line>`` and exit code 2 (``--debug`` re-raises)."""
-    from ..errors import ZckptError
-
+    """Run the CLI. Every failure ends here as one line on stderr, ``error: <file>: <cause>; <fix>``, and exit 2:
+    library errors (:class:`~zckpt.errors.ZckptError`), OS errors (permissions, disk full, read-only, ...) and
+    usage errors; Ctrl-C / SIGTERM / SIGHUP exit 128 + the signal (130 for Ctrl-C) with a message. ``--debug``
+    re-raises with the traceback. Anything else is a bug: one line saying so, exit 1 (``--debug`` for details)."""
     args = list(sys.argv[1:] if argv is None else argv)
     debug = "--debug" in args
     if debug:  # accepted anywhere on the line, not only before the command
         args = ["--debug"] + [a for a in args if a != "--debug"]
+    sys.exit(_run(args, debug))
+
+
+def _run(args: list[str], debug: bool) -> int:
+    try:  # typer >= 0.2x vendors click; its exceptions are not click's
+        from typer._click.exceptions import ClickException
+    except ImportError:  # pragma: no cover
+        from click import ClickException
+
+    from ..errors import ZckptError, describe_os_error, printable
+
+    interrupted = "interrupted (Ctrl-C); no output was left behind"
     try:
-        app(args=args, prog_name="zckpt")
+        result = app(args=args, prog_name="zckpt", standalone_mode=False)
+        if result == 130:  # typer turns KeyboardInterrupt into a silent exit code 130
+            return _fail(interrupted, 130)
+        return result if isinstance(result, int) else 0
+    except typer.Exit as exc:
+        return exc.exit_code
+    except ClickException as exc:  # usage errors: click's own message, exit 2
+        exc.show()
+        return exc.exit_code
+    except typer.Abort as exc:  # typer turns EOFError into Abort ("Aborted!")
+        if debug:
+            raise
+        cause = exc.__cause__
+        return _fail(f"internal error ({type(cause).__name__}: {printable(cause, 300)}); rerun with --debug and "
+                     "report the traceback" if cause is not None else interrupted, 1 if cause is not None else 130)
     except ZckptError as exc:
         if debug:
             raise
-        print(f"error: {exc}", file=sys.stderr)
-        sys.exit(exc.exit_code)
+        return _fail(str(exc), exc.exit_code)
     except KeyboardInterrupt:
         if debug:
             raise
-        print("error: interrupted; no output was left behind", file=sys.stderr)
-        sys.exit(130)
+        return _fail(interrupted, 130)
+    except OSError as exc:
+        if debug:
+            raise
+        return _fail(describe_os_error(exc), 2)
+    except Exception as exc:  # noqa: BLE001 - a bug: still one line, the traceback with --debug
+        if debug:
+            raise
+        return _fail(f"internal error ({type(exc).__name__}: {printable(exc, 300)}); rerun with --debug and "
+                     "report the traceback", 1)
+
+
+def _fail(message: str, code: int) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return code

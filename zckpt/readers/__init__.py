@@ -12,7 +12,7 @@ from dataclasses import replace
 from pathlib import Path
 from typing import Protocol
 
-from ..errors import CheckpointCorruptError, SourceNotFoundError
+from ..errors import CheckpointCorruptError, SourceNotFoundError, source_os_error
 from ..plan import CheckpointPlan
 from .locate import Located, locate
 
@@ -75,8 +75,14 @@ def read_plan(located: Located) -> CheckpointPlan:
 
 
 def open_plan(src: str | Path, tag: str | None = None, *, exclude_frozen: bool = False) -> CheckpointPlan:
-    """Locate SRC, read its metadata, and validate every tensor's coverage. Reads no tensor bytes."""
-    plan = read_plan(locate(src, tag))
+    """Locate SRC, read its metadata, and validate every tensor's coverage. Reads no tensor bytes.
+
+    Raises only :mod:`zckpt.errors` types: an OS error reading the source becomes
+    :class:`~zckpt.errors.SourceUnreadableError` naming the file."""
+    try:
+        plan = read_plan(locate(src, tag))
+    except OSError as exc:
+        raise source_os_error(exc) from None
     for tensor in plan.tensors:
         try:
             tensor.validate()

@@ -40,7 +40,7 @@ from ..errors import CheckpointCorruptError, CheckpointIncompleteError, Unsuppor
 from ..plan import (DTYPE_SIZES, CheckpointPlan, Fragment, OptimizerGroup, SourceFile, StatePlan, TensorPlan,
                     TrainingState)
 from .locate import Located
-from .torch_pickle import TensorRef, load_lazy
+from .torch_pickle import TensorRef, load_lazy, zip_checks
 
 _OPTIM_RE = re.compile(r"^(bf16_)?zero_pp_rank_(\d+)_mp_rank_(\d+)_optim_states\.pt$")
 _MODEL_RE = re.compile(r"^(?:zero_pp_rank_(\d+)_)?mp_rank_(\d+)_model_states\.pt$")
@@ -210,7 +210,19 @@ def _fp32_flat(states: dict[int, dict], stage: int, world: int, files: dict[int,
             raise CheckpointCorruptError(f"{files[r]}: optimizer_state_dict.{key} is missing or holds another number "
                                          "of groups than rank 0's; the checkpoint is corrupt")
     what = ("single_partition_of_fp32_groups[{s}] of rank {r}" if stage <= 2 else "fp32_flat_groups of rank {r}")
-    return [[_flat_ref(per_rank[r][s], what.format(s=s, r=r)) for r in range(world)] for s in range(len(per_rank[0]))]
+    flat = [[_flat_ref(per_rank[r][s], what.format(s=s, r=r)) for r in range(world)] for s in range(len(per_rank[0]))]
+    for s, refs in enumerate(flat):  # equal partitions; the last rank's is saved without its alignment padding
+        for r, ref in enumerate(refs):
+            if stage <= 2 and (ref.numel != refs[0].numel if r < world - 1 else ref.numel > refs[0].numel):
+                raise CheckpointCorruptError(f"{files[r]}: {what.format(s=s, r=r)} holds {ref.numel} elements, rank "
+                                             f"0's {refs[0].numel}; the shards are from different saves — re-save")
+    if stage == 3:
+        totals = [sum(flat[s][r].numel for s in range(len(flat))) for r in range(world)]
+        if len(set(totals)) > 1:
+            r = next(r for r, t in enumerate(totals) if t != totals[0])
+            raise CheckpointCorruptError(f"{files[r]}: fp32_flat_groups of rank {r} hold {totals[r]} elements, rank "
+                                         f"0's {totals[0]}; the shards are from different saves — re-save")
+    return flat
 
 
 def _state_plans(state: dict[str, list[list[TensorRef]]], group: int, start: int, count: int) -> tuple[StatePlan, ...]:
@@ -561,7 +573,41 @@ def _training_state(flat: _FlatGroups, osd0: dict, ms0: dict, train_dtype: str, 
         config=_as_json(ds_config, lenient=True) if isinstance(ds_config, dict) else None)
 
 
+#: what pickled data of the wrong shape (a list where a dict belongs, a string for a number) raises in this module
+_SHAPE_ERRORS = (KeyError, TypeError, ValueError, AttributeError, IndexError, OverflowError, RecursionError)
+
+
 def read_deepspeed_plan(located: Located) -> CheckpointPlan:
+    """The plan of a DeepSpeed ZeRO tag folder. Any structure the reader does not expect (a damaged or hand-edited
+    pickle that unpickled fine) becomes :class:`CheckpointCorruptError` naming the folder."""
+    try:
+        return _read_plan(located)
+    except _SHAPE_ERRORS as exc:
+        raise CheckpointCorruptError(f"{located.tag_dir}: the DeepSpeed files do not have the expected structure "
+                                     f"({type(exc).__name__}: {str(exc)[:100]}); the checkpoint is damaged or not "
+                                     "a ZeRO checkpoint, re-save it or pick another tag with --tag") from None
+
+
+def _check_model_states(model_states: list, ms_paths: list[Path], world: int) -> None:
+    """Cross-rank consistency of the model-states files: each a dict, all from the same step and DeepSpeed
+    version, recording the optimizer shards' world size."""
+    for path, ms in zip(ms_paths, model_states):
+        if not isinstance(ms, dict):
+            raise CheckpointCorruptError(f"{path} is not a DeepSpeed model-states file (not a dict)")
+    first = model_states[0]
+    for key in ("global_steps", "ds_version", "dp_world_size"):
+        for path, ms in zip(ms_paths[1:], model_states[1:]):
+            if repr(ms.get(key)) != repr(first.get(key)):
+                raise CheckpointCorruptError(f"{path}: {key} {ms.get(key)!r} differs from {ms_paths[0].name}'s "
+                                             f"{first.get(key)!r}; the files are from different saves, re-save or "
+                                             "pick another tag with --tag")
+    dp = first.get("dp_world_size")
+    if isinstance(dp, int) and not isinstance(dp, bool) and dp != world:
+        raise CheckpointCorruptError(f"{ms_paths[0]}: dp_world_size {dp} but the optimizer shards are partitioned "
+                                     f"over {world} ranks; the files are from different runs")
+
+
+def _read_plan(located: Located) -> CheckpointPlan:
     tag_dir = located.tag_dir
     _prefix, files = _optim_files(tag_dir)
     states = _load_optim_states(files)
@@ -569,6 +615,7 @@ def read_deepspeed_plan(located: Located) -> CheckpointPlan:
     ms_paths = _model_state_paths(tag_dir, stage, world)
     with ThreadPoolExecutor(max_workers=min(8, len(ms_paths))) as pool:
         model_states = list(pool.map(load_lazy, ms_paths))
+    _check_model_states(model_states, ms_paths, world)
     ms0 = model_states[0]
     if not isinstance(ms0, dict) or "param_shapes" not in ms0 or "buffer_names" not in ms0:
         raise CheckpointCorruptError(f"{ms_paths[0]} is not a DeepSpeed model-states file (no param_shapes)")
@@ -584,9 +631,10 @@ def read_deepspeed_plan(located: Located) -> CheckpointPlan:
     tensors = _order_like_module(tensors, ms0.get("module"))
     names = {t.name for t in tensors}
     aliases = {a: c for a, c in (ms0.get("shared_params") or {}).items() if c in names and a not in names}
-    source_files = [SourceFile(str(p), "model_states", r if stage == 3 else None, p.stat().st_size)
+    source_files = [SourceFile(str(p), "model_states", r if stage == 3 else None, p.stat().st_size, zip_checks(p))
                     for r, p in enumerate(ms_paths)]
-    source_files += [SourceFile(str(files[r]), "optim_states", r, files[r].stat().st_size) for r in range(world)]
+    source_files += [SourceFile(str(files[r]), "optim_states", r, files[r].stat().st_size, zip_checks(files[r]))
+                     for r in range(world)]
     step = ms0.get("global_steps")
     train_dtype = _train_dtype(ms0.get("ds_config"))
     training = _training_state(flat, states[0], ms0, train_dtype, files[0])

@@ -5,19 +5,23 @@ this module parses each safetensors header (8-byte little-endian length, then JS
 ``data_offsets`` relative to the end of the header) to turn those into absolute byte offsets.
 
 Checks, each failing with a one-line :mod:`zckpt.errors` message naming the file and the fix:
-``COMMITTED`` present, every listed file present with the recorded size (CheckpointIncompleteError); manifest format,
-header sanity (length, offsets inside the file, no overlaps), keys/dtypes/extents as the manifest says, fragments
-tiling each tensor exactly (CheckpointCorruptError).
+``COMMITTED`` present, every listed file present with the recorded size (CheckpointIncompleteError); the manifest's
+sha256 as ``COMMITTED`` records it, manifest format, header sanity (length, offsets inside the file, no overlaps),
+keys/dtypes/extents as the manifest says, every rank's files and partition sizes, fragments tiling each tensor exactly
+and sharing no byte (CheckpointCorruptError). The files' sha256 are checked when their bytes are read
+(:mod:`zckpt.integrity`).
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 from engine import checkpoint_format as spec
-from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError
+from zckpt.errors import CheckpointCorruptError, CheckpointIncompleteError, source_os_error
+from zckpt.integrity import check_disjoint
 from zckpt.safetensors_header import HeaderError, read_header
-from zckpt.plan import (DTYPE_SIZES, CheckpointPlan, Fragment, OptimizerGroup, SourceFile,
+from zckpt.plan import (DTYPE_SIZES, CheckpointPlan, Checksum, Fragment, OptimizerGroup, SourceFile,
                         StatePlan, TensorPlan, TrainingState)
 
 def is_engine_checkpoint(tag_dir: Path) -> bool:
@@ -41,6 +45,9 @@ def _read_manifest(tag_dir: Path) -> spec.Manifest:
         raise CheckpointIncompleteError(str(exc)) from None
     except spec.FormatError as exc:
         raise CheckpointCorruptError(f"{exc}; upgrade zckpt or use an earlier tag") from None
+    except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as exc:  # JSON of unexpected shape
+        raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: malformed manifest ({type(exc).__name__}: "
+                                     f"{str(exc)[:100]}); use an earlier tag") from None
 
 
 class _Files:
@@ -56,6 +63,8 @@ class _Files:
             if meta is None:
                 raise CheckpointCorruptError(f"{self.tag_dir / 'manifest.json'} references {fname} but does not list "
                                              f"it under 'files'; the manifest is damaged, use an earlier tag")
+            if path.is_dir():
+                raise CheckpointCorruptError(f"{path} is a folder, the manifest lists a file; use an earlier tag")
             if not path.is_file():
                 raise CheckpointIncompleteError(f"{path} is missing; copy it back or use an earlier tag")
             size = path.stat().st_size
@@ -137,14 +146,72 @@ def _training(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Traini
                          units=manifest.layout.units if manifest.layout is not None else None)
 
 
+def _check_ranks(files: _Files, manifest: spec.Manifest, has_optim: bool) -> None:
+    """Cross-rank consistency: every rank below the partition world size has its files, each holding every group's
+    partition with the manifest's ``partition_numel`` (and the optimizer state with the same numel); the
+    ``COMMITTED`` marker names the manifest's tag."""
+    where = files.tag_dir / spec.MANIFEST
+    names = [spec.weights_file(r) for r in range(manifest.partition_world_size)]
+    if has_optim:
+        names += [spec.optim_file(r) for r in range(manifest.partition_world_size)]
+    for name in names:
+        if name not in files.listed:
+            raise CheckpointCorruptError(f"{where}: stage {manifest.stage} at world size {manifest.world_size} needs "
+                                         f"{name}, which the manifest does not list; the manifest is damaged or from "
+                                         "another run, use an earlier tag")
+    for g, group in enumerate(manifest.groups):
+        for r in range(manifest.partition_world_size):
+            keys = [(spec.weights_file(r), spec.master_key(g))]
+            if has_optim:
+                keys += [(spec.optim_file(r), spec.state_key(g, k)) for k in manifest.state_keys]
+            for fname, key in keys:
+                _, tensors = files.check(fname)
+                span = tensors.get(key)
+                numel = math.prod(span.shape) if span is not None else None
+                if numel != group.partition_numel:
+                    raise CheckpointCorruptError(
+                        f"{files.tag_dir / fname}: {key!r} holds {numel if numel is not None else 'no'} elements, the "
+                        f"manifest says rank {r} holds {group.partition_numel} of group {g}; the ranks' files are "
+                        "from different saves, use an earlier tag")
+    try:
+        marker, _ = spec.parse_committed((files.tag_dir / spec.COMMITTED).read_bytes())
+    except OSError as exc:
+        raise source_os_error(exc) from None
+    if marker and marker != manifest.tag:
+        raise CheckpointCorruptError(f"{files.tag_dir / spec.COMMITTED} names tag {marker[:80]!r} but the manifest "
+                                     f"is for {manifest.tag[:80]!r}; the folder mixes two saves, use an earlier tag")
+
+
+def _check_manifest_digest(tag_dir: Path) -> None:
+    """The manifest's bytes match the sha256 that ``COMMITTED`` records (checkpoints saved before the marker held
+    it have no digest: their manifest is checked for structure only)."""
+    import hashlib
+
+    try:
+        _, digest = spec.parse_committed((tag_dir / spec.COMMITTED).read_bytes())
+        if digest is None:
+            return
+        got = hashlib.sha256((tag_dir / spec.MANIFEST).read_bytes()).hexdigest()
+    except FileNotFoundError:
+        return  # reported by the manifest reader (no COMMITTED: incomplete; no manifest: not a checkpoint)
+    except OSError as exc:
+        raise source_os_error(exc) from None
+    if got != digest:
+        raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST} does not match the sha256 recorded in "
+                                     f"{spec.COMMITTED} (sha256 {got[:16]}..., recorded {digest[:16]}...): it was "
+                                     "edited or damaged after the save; use an earlier tag")
+
+
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
     """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``): weights and training state."""
     tag_dir = Path(tag_dir)
+    _check_manifest_digest(tag_dir)
     manifest = _read_manifest(tag_dir)
     files = _Files(tag_dir, manifest)
     for fname in files.listed:
         files.check(fname)
     has_optim = any(meta.role == "optim" for meta in files.listed.values())
+    _check_ranks(files, manifest, has_optim)
     tensors = [_param(files, e, manifest, has_optim) for e in manifest.params]
     tensors += [_whole(files, e, "frozen") for e in manifest.frozen]
     tensors += [_whole(files, e, "buffer") for e in manifest.buffers if e.persistent]
@@ -153,12 +220,14 @@ def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
             plan.validate()
         except ValueError as exc:
             raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: {exc}; use an earlier tag") from None
+    check_disjoint(tensors, tag_dir / spec.MANIFEST)
     names = {t.name for t in tensors}
     for alias, canonical in manifest.aliases.items():
         if canonical not in names:
             raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST}: alias {alias} -> {canonical}, which is not "
                                          f"stored; the manifest is damaged")
-    sources = tuple(SourceFile(str(tag_dir / f), meta.role, meta.rank, (tag_dir / f).stat().st_size)
+    sources = tuple(SourceFile(str(tag_dir / f), meta.role, meta.rank, meta.size,
+                               (Checksum(0, meta.size, "sha256", meta.sha256, "the file"),))
                     for f, meta in sorted(files.listed.items()))
     sources += (SourceFile(str(tag_dir / spec.MANIFEST), "manifest", None, (tag_dir / spec.MANIFEST).stat().st_size),)
     return CheckpointPlan(source=str(tag_dir), format="engine", stage=manifest.stage,

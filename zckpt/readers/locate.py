@@ -10,13 +10,16 @@ SRC may be:
 
 from __future__ import annotations
 
+import errno
+import os
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from engine import checkpoint_format as spec
 
-from ..errors import CheckpointIncompleteError, InvalidArgumentError, SourceNotFoundError
+from ..errors import (CheckpointCorruptError, CheckpointIncompleteError, InvalidArgumentError, SourceNotFoundError,
+                      source_os_error)
 
 _CHECKPOINT_RE = re.compile(r"^checkpoint-(\d+)$")
 
@@ -39,9 +42,52 @@ def is_tag_dir(path: Path) -> bool:
 
 def _model_dir(*candidates: Path) -> Path | None:
     for cand in candidates:
-        if (cand / "config.json").is_file():
+        config = cand / "config.json"
+        if config.is_file():
             return cand
+        if config.exists() or config.is_symlink():
+            raise CheckpointCorruptError(f"{config} is {_what(config)}, not the model's config file; remove it or "
+                                         "replace it with the model's config.json")
     return None
+
+
+def _what(path: Path) -> str:
+    if path.is_symlink() and not path.exists():
+        return "a dangling symlink (or a symlink loop)"
+    return "a folder" if path.is_dir() else "not a regular file"
+
+
+def _listable(folder: Path) -> None:
+    """Raise :class:`SourceUnreadableError` when ``folder`` cannot be listed (permissions), instead of letting an
+    empty listing pass for "no checkpoint files"."""
+    try:
+        with os.scandir(folder):
+            pass
+    except OSError as exc:
+        raise source_os_error(exc) from None
+
+
+def _links_outside(latest: Path, save_dir: Path) -> bool:
+    return latest.is_symlink() and save_dir.resolve() not in latest.resolve().parents
+
+
+def _check_latest_file(save_dir: Path) -> None:
+    """``latest`` must be a file. One that is a symlink leaving the checkpoint (the Hugging Face cache links every
+    file to a blob) is accepted only when it names a tag folder that exists: its content is never quoted, as it may
+    be a system file's."""
+    latest = save_dir / "latest"
+    if _links_outside(latest, save_dir) and latest.is_file():
+        try:
+            tag = spec.read_latest(save_dir)
+        except spec.FormatError:
+            tag = None
+        if tag is None or not (save_dir / tag).is_dir():
+            raise CheckpointCorruptError(f"{latest} is a symlink to a file outside the checkpoint that does not name "
+                                         f"one of its tag folders; replace it, or pass --tag with one of: "
+                                         f"{_list_tags(save_dir)}")
+    if latest.exists() and not latest.is_file():
+        raise CheckpointCorruptError(f"{latest} is {_what(latest)}; it should be a file naming a tag folder — "
+                                     f"replace it, or pass --tag with one of: {_list_tags(save_dir)}")
 
 
 def read_latest(save_dir: Path) -> str:
@@ -65,6 +111,7 @@ def _list_tags(save_dir: Path) -> str:
 
 def _locate_in_save_dir(save_dir: Path, tag: str | None, kind: str) -> Located:
     if tag is None:
+        _check_latest_file(save_dir)
         if not (save_dir / "latest").is_file():
             raise SourceNotFoundError(
                 f"{save_dir} has no 'latest' file; pass --tag with one of: {_list_tags(save_dir)}")
@@ -73,6 +120,8 @@ def _locate_in_save_dir(save_dir: Path, tag: str | None, kind: str) -> Located:
     else:
         origin = f"--tag {tag!r}"
     tag_dir = save_dir / tag
+    if tag_dir.is_dir():
+        _listable(tag_dir)
     if not tag_dir.is_dir():
         raise CheckpointIncompleteError(
             f"{origin} but {tag_dir} does not exist; pass --tag with one of: {_list_tags(save_dir)}")
@@ -104,7 +153,17 @@ def locate(src: str | Path, tag: str | None = None) -> Located:
     """Find the tag folder SRC refers to, or raise a one-line error saying what SRC should look like."""
     src = Path(src)
     if not src.exists():
+        if src.is_symlink():
+            try:
+                os.stat(src)
+            except OSError as exc:
+                if exc.errno == errno.ELOOP:
+                    raise SourceNotFoundError(f"{src} is a symlink loop (it leads back to itself); point it at the "
+                                              "checkpoint folder") from None
+            raise SourceNotFoundError(f"{src} is a symlink to {os.readlink(src)}, which does not exist")
         raise SourceNotFoundError(f"{src} does not exist")
+    if src.is_dir():
+        _listable(src)
     if not src.is_dir():
         raise SourceNotFoundError(f"{src} is a file; pass the checkpoint folder (the one holding 'latest' or "
                                   "global_step*/)")
