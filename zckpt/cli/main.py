@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -33,6 +34,14 @@ JsonOpt = Annotated[bool, typer.Option("--json", help="Print machine-readable JS
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress bars.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks on errors.")]
 OverwriteOpt = Annotated[bool, typer.Option("--overwrite", help="Replace OUT if it exists.")]
+
+
+class ReshardFormat(str, Enum):
+    """``zckpt reshard --format``: which writer lays the checkpoint out."""
+
+    engine = "engine"
+    universal = "universal"
+    deepspeed = "deepspeed"
 
 
 def _out_arg(what: str):
@@ -110,17 +119,23 @@ def reshard(
                                                                     "(its zero_optimization stage and buckets).")]
     = None,
     tag: TagOpt = None,
+    format: Annotated[ReshardFormat, typer.Option(
+        "--format", case_sensitive=False, help="engine: an engine checkpoint; universal: DeepSpeed's universal "
+                                               "checkpoint (load_universal); deepspeed: a native DeepSpeed ZeRO "
+                                               "checkpoint for --world-size ranks.")] = ReshardFormat.engine,
     overwrite: OverwriteOpt = False,
     workers: _workers_opt("Writer threads (default: 8, or the CPU count if higher).") = None,
     quiet: QuietOpt = False,
     as_json: JsonOpt = False,
 ) -> None:
     """Lay a checkpoint's full training state out for another world size (and ZeRO stage): an engine checkpoint
-    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters)."""
+    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters),
+    or, with --format, one that DeepSpeed resumes from."""
     from ..reshard import reshard as run
 
     result = run(src, out, world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size,
-                 config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+                 config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers,
+                 format=format.value)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
@@ -129,6 +144,11 @@ def reshard(
     print(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
           f"{', '.join(result.state_keys)}; {human_bytes(result.bytes_written)} in {len(result.files)} file(s) "
           f"[{result.seconds:.2f}s]")
+    if result.format == "universal":
+        print(f"  from {result.source} ({result.source_format}, world size {result.from_world_size}, ZeRO stage "
+              f"{result.from_stage}); DeepSpeed resumes it at any world size and stage with "
+              '"checkpoint": {"load_universal": true}')
+        return
     print(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
           f"{result.to_world_size}, ZeRO stage {result.from_stage} -> {result.to_stage}")
 
