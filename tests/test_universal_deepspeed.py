@@ -6,7 +6,8 @@ checkpoint; DeepSpeed with ``"checkpoint": {"load_universal": true}`` resumes it
 ZeRO stage and trains 3 more steps on the same global batches (6 samples). Its losses equal DeepSpeed's own
 continuation at world size 2 (one 6-step run) to fp32 reduction-order noise: rel 1e-5 (fp32) / 1e-3 (bf16, whose
 gradients are summed in bf16 over a different number of ranks). Also: ``ds_to_universal`` run live on more
-committed fixtures is bit-identical to our writer, and consolidate of our output equals consolidate of the source.
+committed fixtures is bit-identical to our writer, consolidate of our output equals consolidate of the source, and
+our engine resumes from the universal output (fp32 cases) with the same losses.
 
     python -m pytest -m deepspeed tests/test_universal_deepspeed.py
 """
@@ -75,6 +76,10 @@ def test_deepspeed_resumes_from_our_universal_checkpoint(tmp_path, impl, stage, 
     resumed = train("deepspeed", new_world, new_stage, dtype, tmp_path / "resumed", "--steps", "3", "--start-step",
                     "3", "--load", str(tmp_path / "universal"), "--ds-json", UNIVERSAL)
     assert resumed == pytest.approx(continued, rel=TOLERANCE[dtype], abs=1e-6)
+    if dtype == "fp32":  # our engine resumes from the universal folder too (load-time resharding through the reader)
+        engine = train("engine", new_world, new_stage, dtype, tmp_path / "engine", "--steps", "3", "--start-step", "3",
+                       "--load", str(tmp_path / "universal"))
+        assert engine == pytest.approx(continued, rel=1e-5, abs=1e-6)
     ours, source = zckpt.load_state_dict(tmp_path / "universal", "fp32"), zckpt.load_state_dict(ckpt, "fp32")
     assert ours.keys() == source.keys() and all(torch.equal(ours[k], source[k]) for k in ours)
 
