@@ -129,6 +129,16 @@ def test_universal_round_trip_and_to_engine(tmp_path, capsys):
     assert a.keys() == b.keys() == c.keys() and all(torch.equal(a[k], c[k]) and torch.equal(b[k], c[k]) for k in a)
 
 
+def test_hf_trainer_run_to_universal(tmp_path):
+    """An HF Trainer output dir (ZeRO-3 bf16, no universal_checkpoint_info): the universal output carries its
+    config and tokenizer files and reads back to the same weights."""
+    run = FIXTURES / "hf_run"
+    result = reshard(run, tmp_path / "u", world_size=2, format="universal")
+    assert (tmp_path / "u" / "config.json").is_file() and (tmp_path / "u" / result.tag / "zero").is_dir()
+    a, b = zckpt.load_state_dict(run, "fp32"), zckpt.load_state_dict(tmp_path / "u", "fp32")
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
 def test_universal_errors(tmp_path):
     bad = tmp_path / "u"
     shutil.copytree(_universal_tag("z2_bf16_ws2_tied_g2"), bad)

@@ -65,7 +65,7 @@ def has_native_writer() -> bool:
 
 
 def measure(tag: Path, work: Path, world_size: int, repeats: int, native: bool) -> dict:
-    out, log = work / "out", work / "bench_universal.log"
+    out, log = work / "out-universal", work / "bench_universal.log"  # own folder: other benches use work/out
     files = [p for p in tag.rglob("*") if p.is_file()]
     runs: dict[str, list] = {}
     written: dict[str, int] = {}

@@ -128,7 +128,7 @@ def _param_groups(osd: dict, path: Path) -> list[dict]:
     return groups
 
 
-def _scalar(step: Any, path: Path) -> TensorPlan | None:
+def _scalar(step: Any) -> TensorPlan | None:
     if isinstance(step, TensorRef) and step.numel == 1:
         return TensorPlan("step", (), step.dtype, (Fragment(step.path, step.byte_offset, 1, 0),))
     return None
@@ -146,7 +146,7 @@ def _groups(osd: dict, params: list[tuple[_Param, int]], group_of: list[int], pa
         if step is None and isinstance(inner_state, dict):
             flat = next((s for s, owner in enumerate(group_of) if owner == g), None)
             step = (inner_state.get(flat) or {}).get("step") if flat is not None else None
-        scalar = _scalar(step, path)
+        scalar = _scalar(step)
         if scalar is None and step is not None and _as_json(step) is not _NOT_JSON:
             hp.setdefault("step", _as_json(step))
         out.append(OptimizerGroup(g, hp, (scalar,) if scalar else ()))

@@ -149,7 +149,7 @@ def _optimizer_state(plan: CheckpointPlan, steps: dict[int, torch.Tensor]) -> di
     for g in plan.training.groups:
         groups.append({**torch_hparams(g.hparams), "params": [g.index]})
     state = {g: {"step": step.clone()} for g, step in steps.items()}
-    return {"zero_stage": plan.stage, "partition_count": plan.world_size, "ds_version": ds_version(plan),
+    return {"zero_stage": plan.stage, "ds_version": ds_version(plan),
             "param_groups": groups, "optimizer_state_dict": {"state": state, "param_groups": groups}}
 
 
