@@ -31,11 +31,11 @@ from ..errors import CheckpointCorruptError, CheckpointIncompleteError
 from ..plan import CheckpointPlan, Fragment, OptimizerGroup, SourceFile, StatePlan, TensorPlan, TrainingState
 from .deepspeed import (_DEEPSPEED_OWN_KEYS, _NOT_JSON, _as_json, _buffers, _flat_ref, _frozen_params, _json_items,
                         _optimizer_name, _order_like_module, _train_dtype)
+from ..universal_spec import FP32, MODEL_STATES, OPTIMIZER_STATE, PARAM, STEP, ZERO_DIR, is_folder_name
 from .locate import Located
 from .torch_pickle import TensorRef, load_lazy
 
-ZERO = "zero"
-OPTIMIZER_STATE = "optimizer_state.pt"
+ZERO = ZERO_DIR
 _STATE_ORDER = ("exp_avg", "exp_avg_sq")
 
 
@@ -58,8 +58,7 @@ def _model_states_paths(tag_dir: Path) -> list[Path]:
     """Rank 0's model states first (the stage 1/2 name, else the stage-3 one), then the other ranks' (stage 3)."""
     names = sorted(p.name for p in tag_dir.glob("*_model_states.pt")
                    if not (p.name.startswith("layer_") or p.name.startswith("expert_")))
-    first = next((n for n in ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-                  if n in names), None)
+    first = next((n for n in MODEL_STATES if n in names), None)
     if first is None:
         raise CheckpointIncompleteError(f"{tag_dir} has no mp_rank_00_model_states.pt nor "
                                         "zero_pp_rank_0_mp_rank_00_model_states.pt; copy it from the source checkpoint")
@@ -68,7 +67,7 @@ def _model_states_paths(tag_dir: Path) -> list[Path]:
 
 def _tensor(value: Any, path: Path) -> TensorRef:
     """The tensor of a universal state file: ``{"param": tensor, ...}`` or a bare tensor."""
-    ref = value.get("param") if isinstance(value, dict) else value
+    ref = value.get(PARAM) if isinstance(value, dict) else value
     if not isinstance(ref, TensorRef):
         raise CheckpointCorruptError(f"{path} holds no tensor (expected a dict with 'param' or a tensor); the file "
                                      "is corrupt — re-run the conversion")
@@ -76,8 +75,11 @@ def _tensor(value: Any, path: Path) -> TensorRef:
 
 
 def _read_param(zero: Path, name: str, shape: Any) -> _Param:
+    if not is_folder_name(name):
+        raise CheckpointCorruptError(f"{zero.parent}: param_shapes names {name!r}, which is not a parameter folder "
+                                     "name under zero/; the model-states file is corrupt")
     folder = zero / name
-    if not (folder / "fp32.pt").is_file():
+    if not (folder / f"{FP32}.pt").is_file():
         raise CheckpointIncompleteError(f"{folder / 'fp32.pt'} is missing: parameter {name} has no fp32 master; the "
                                         "conversion was interrupted — re-run it")
     numel = math.prod(int(d) for d in shape)
@@ -86,15 +88,15 @@ def _read_param(zero: Path, name: str, shape: Any) -> _Param:
     step = None
     for path in files:
         value = load_lazy(path)
-        if path.stem == "step":
-            step = value.get("param") if isinstance(value, dict) else value
+        if path.stem == STEP:
+            step = value.get(PARAM) if isinstance(value, dict) else value
             continue
         ref = _tensor(value, path)
         if ref.numel != numel:
             raise CheckpointCorruptError(f"{path} has {ref.numel} elements but param_shapes gives {name} the shape "
                                          f"{tuple(shape)}; the files are from different runs")
         refs[path.stem] = ref
-    fp32 = refs.pop("fp32")
+    fp32 = refs.pop(FP32)
     order = [k for k in _STATE_ORDER if k in refs] + sorted(k for k in refs if k not in _STATE_ORDER)
     return _Param(name, fp32, {k: refs[k] for k in order}, step, files)
 
@@ -163,8 +165,8 @@ def _frozen(model_states: list[dict], zero: Path, stage: int) -> list[TensorPlan
         ref = module.get(name)
         if isinstance(ref, TensorRef) and ref.numel == numel:
             ref = _flat_ref(ref, f"frozen parameter {name}")
-        elif (zero / name / "fp32.pt").is_file():
-            ref = _tensor(load_lazy(zero / name / "fp32.pt"), zero / name / "fp32.pt")
+        elif (zero / name / f"{FP32}.pt").is_file():
+            ref = _tensor(load_lazy(zero / name / f"{FP32}.pt"), zero / name / f"{FP32}.pt")
         elif stage == 3 and all(name in (ms.get("frozen_param_fragments") or {}) for ms in model_states):
             plans.extend(p for p in _frozen_params(model_states, 3, len(model_states)) if p.name == name)
             continue

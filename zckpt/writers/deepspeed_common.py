@@ -20,13 +20,11 @@ from typing import Any
 import torch
 
 from ..plan import CheckpointPlan
+from ..universal_spec import UNIVERSAL_VERSION, UNIVERSAL_VERSION_KEY
 
 #: the DeepSpeed release whose layout these writers follow; recorded as ``ds_version`` when the source is not a
 #: DeepSpeed checkpoint (DeepSpeed's ZeRO-1 loader refuses versions before 0.3.17, and an empty one)
 DS_VERSION = "0.19.8"
-#: ``universal_checkpoint_info`` of a data-parallel run (no tensor/pipeline parallelism): the version is all of it
-UNIVERSAL_VERSION_KEY = "universal_checkpoint_version"
-UNIVERSAL_VERSION = 0.4
 
 
 def save_pickle(obj: Any, path: Path, *, fsync: bool = True) -> int:

@@ -34,12 +34,9 @@ from ..assemble import FileCache
 from ..errors import CheckpointCorruptError, UnsupportedCheckpointError
 from ..plan import CheckpointPlan, TensorPlan
 from ..tensors import DTYPES, read_tensor
+from ..universal_spec import CAT_DIM, FP32, LATEST, MODEL_STATES, OPTIMIZER_STATE, PARAM, STEP, ZERO_DIR, is_folder_name
 from .deepspeed_common import ds_version, fsync_path, model_states, save_pickle, torch_hparams
 
-ZERO_DIR = "zero"
-OPTIMIZER_STATE = "optimizer_state.pt"
-MODEL_STATES = ("mp_rank_00_model_states.pt", "zero_pp_rank_0_mp_rank_00_model_states.pt")
-LATEST = ("latest", "latest_universal")
 
 
 @dataclass
@@ -56,7 +53,7 @@ def check_universal(plan: CheckpointPlan) -> None:
 
     require_training_state(plan)
     for t in plan.tensors:
-        if not t.name or t.name in (".", "..") or "/" in t.name or "\\" in t.name or "\0" in t.name:
+        if not is_folder_name(t.name):
             raise CheckpointCorruptError(f"{plan.source}: tensor name {t.name!r} cannot be a folder name under "
                                          f"zero/; the checkpoint's metadata is corrupt")
     for g in {t.group for t in plan.trainable()}:
@@ -99,19 +96,18 @@ class _Jobs:
         self.plan, self.zero, self.progress = plan, zero, progress
         self.files = FileCache()
         self.steps = _steps(plan, self.files)
-        self.by_name = {t.name: t for t in plan.tensors}
 
     def param(self, t: TensorPlan) -> list[tuple[Path, int]]:
         folder = self.zero / t.name
         folder.mkdir()
         written = []
-        for key, sub in (("fp32", t), *((s.key, t.state_tensor(s.key)) for s in t.state)):
+        for key, sub in ((FP32, t), *((s.key, t.state_tensor(s.key)) for s in t.state)):
             tensor = read_tensor(sub, self.files)
             path = folder / f"{key}.pt"
-            written.append((path, save_pickle({"cat_dim": 0, "param": tensor}, path)))
+            written.append((path, save_pickle({CAT_DIM: 0, PARAM: tensor}, path)))
             self.progress(sub.nbytes)
             del tensor
-        path = folder / "step.pt"
+        path = folder / f"{STEP}.pt"
         written.append((path, save_pickle(self.steps[t.group].clone(), path)))
         fsync_path(folder)
         return written
@@ -120,8 +116,8 @@ class _Jobs:
         """ds_to_universal's module fallback: ``{"param": module[name].float()}`` for names without a folder."""
         folder = self.zero / name
         folder.mkdir()
-        path = folder / "fp32.pt"
-        size = save_pickle({"param": _lp_value(self.plan, t, self.files).float()}, path)
+        path = folder / f"{FP32}.pt"
+        size = save_pickle({PARAM: _lp_value(self.plan, t, self.files).float()}, path)
         fsync_path(folder)
         return [(path, size)]
 
