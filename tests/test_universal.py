@@ -86,6 +86,7 @@ def test_writer_is_bit_identical_to_ds_to_universal(tmp_path, name):
 def test_universal_folder_is_a_source(tmp_path, name):
     """ds_to_universal's folder reads to the source's weights and training state, byte for byte."""
     universal, source = open_plan(_universal_tag(name)), open_plan(FIXTURES / name / "ckpt")
+    assert open_plan(FIXTURES / f"universal_{name}" / "ckpt").tag == _universal_tag(name).name  # latest_universal
     assert universal.format == "deepspeed-universal" and universal.stage == source.stage
     assert universal.aliases == source.aliases and universal.step == source.step == 3
     assert universal.training.state_keys == ("exp_avg", "exp_avg_sq")
