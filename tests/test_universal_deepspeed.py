@@ -4,8 +4,8 @@ DeepSpeed (CPU, gloo, ``torch_adam``) trains a tiny tied Llama 3 steps at world 
 ``universal_checkpoint_info``, which ``ds_to_universal`` would need at stages 1/2; zckpt writes the universal
 checkpoint; DeepSpeed with ``"checkpoint": {"load_universal": true}`` resumes it at world size 3 or 1 and another
 ZeRO stage and trains 3 more steps on the same global batches (6 samples). Its losses equal DeepSpeed's own
-continuation at world size 2 (one 6-step run) to fp32 reduction-order noise: rel 1e-5 (fp32) / 1e-3 (bf16, whose
-gradients are summed in bf16 over a different number of ranks). Also: ``ds_to_universal`` run live on more
+continuation at world size 2 (one 6-step run) to fp32 reduction-order noise: rel 1e-5 (fp32; observed 2-4e-8) /
+2e-4 (bf16, whose gradients are summed in bf16 over a different number of ranks; observed 1.7e-5). Also: ``ds_to_universal`` run live on more
 committed fixtures is bit-identical to our writer, consolidate of our output equals consolidate of the source, and
 our engine resumes from the universal output (fp32 cases) with the same losses.
 
@@ -33,7 +33,7 @@ pytestmark = pytest.mark.deepspeed
 SCRIPT = ROOT / "tests" / "engine" / "llama_train_script.py"
 UNIVERSAL = json.dumps({"checkpoint": {"load_universal": True}})
 #: losses of the resumed run vs the continued run: fp32 reduction-order noise; bf16 sums gradients in bf16
-TOLERANCE = {"fp32": 1e-5, "bf16": 1e-3}
+TOLERANCE = {"fp32": 1e-5, "bf16": 2e-4}
 
 
 def _free_port() -> int:
@@ -75,6 +75,9 @@ def test_deepspeed_resumes_from_our_universal_checkpoint(tmp_path, impl, stage, 
     assert result.format == "universal"
     resumed = train("deepspeed", new_world, new_stage, dtype, tmp_path / "resumed", "--steps", "3", "--start-step",
                     "3", "--load", str(tmp_path / "universal"), "--ds-json", UNIVERSAL)
+    worst = max(abs(a - b) / abs(b) for a, b in zip(resumed, continued))
+    print(f"\n{impl} ZeRO-{stage} x2 -> universal -> DeepSpeed ZeRO-{new_stage} x{new_world} ({dtype}): max relative "
+          f"loss difference {worst:.1e}")
     assert resumed == pytest.approx(continued, rel=TOLERANCE[dtype], abs=1e-6)
     if dtype == "fp32":  # our engine resumes from the universal folder too (load-time resharding through the reader)
         engine = train("engine", new_world, new_stage, dtype, tmp_path / "engine", "--steps", "3", "--start-step", "3",
