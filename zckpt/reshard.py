@@ -17,7 +17,10 @@ from .errors import InvalidArgumentError
 from .plan import CheckpointPlan
 from .assemble import default_workers
 from .readers import open_plan
+from .writers import WRITERS
 
+#: ``--format`` values: the writer (:data:`zckpt.writers.WRITERS`) that lays the checkpoint out
+FORMATS = ("engine", "universal", "deepspeed")
 #: the engine's default ``zero_optimization.reduce_bucket_size`` (engine/config.py)
 DEFAULT_BUCKET = 500_000_000
 
@@ -38,6 +41,7 @@ class ReshardResult:
     files: list[str]
     bytes_written: int
     seconds: float
+    format: str = "engine"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -109,34 +113,43 @@ def _io_workers() -> int:
 
 def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | None = None,
             reduce_bucket_size: int | None = None, config: str | Path | None = None, tag: str | None = None,
-            overwrite: bool = False, quiet: bool = True, workers: int | None = None) -> ReshardResult:
-    """Write SRC's training state as an engine-native checkpoint for ``world_size`` ranks into OUT."""
+            overwrite: bool = False, quiet: bool = True, workers: int | None = None,
+            format: str = "engine") -> ReshardResult:
+    """Write SRC's training state for ``world_size`` ranks into OUT: an engine-native checkpoint
+    (``format="engine"``), DeepSpeed's universal checkpoint (``"universal"``) or a native DeepSpeed one
+    (``"deepspeed"``), by the writer of that name in :data:`zckpt.writers.WRITERS`."""
     from tqdm.auto import tqdm
 
     from .integrity import checked, regions_read
     from .outdir import check_output, check_space, staged_output
     from .verify import reshard_needs
-    from .writers import WRITERS
     from .writers.engine_native import layout_for, require_training_state
 
     started = time.perf_counter()
     out = Path(out)
     if world_size < 1:
         raise InvalidArgumentError(f"--world-size must be at least 1, got {world_size}")
+    if format not in FORMATS or format not in WRITERS:
+        known = ", ".join(f for f in FORMATS if f in WRITERS)
+        raise InvalidArgumentError(f"--format {format!r} is not one of {known}")
     plan = open_plan(src, tag)
     require_training_state(plan)
     target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
-    writer = WRITERS["engine"]
+    writer = WRITERS[format]
     total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     check_space(out, reshard_needs(plan, layout_for(plan, target))[0], f"the checkpoint for {world_size} ranks")
     with staged_output(out, overwrite) as staging, checked(regions_read(plan, with_state=True)), \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
         manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
+    if format != "engine":
+        files, written = list(manifest.files), manifest.bytes_written
+    else:
+        files, written = sorted(manifest.files), sum(f.size for f in manifest.files.values())
     return ReshardResult(
         source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,
         from_world_size=plan.world_size, to_world_size=target.world_size, from_stage=plan.stage,
         to_stage=target.stage, reduce_bucket_size=target.reduce_bucket_size,
         parameters=sum(t.numel for t in plan.trainable()), state_keys=list(plan.training.state_keys),
-        files=sorted(manifest.files), bytes_written=sum(f.size for f in manifest.files.values()),
+        files=files, bytes_written=written, format=format,
         seconds=round(time.perf_counter() - started, 3))

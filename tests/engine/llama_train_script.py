@@ -80,6 +80,8 @@ def main() -> None:
     ap.add_argument("--clip", type=float, default=1.0)
     ap.add_argument("--no-weights", action="store_true")
     ap.add_argument("--zero-json", default=None, help="extra zero_optimization keys, as JSON")
+    ap.add_argument("--ds-json", default=None, help="extra top-level config keys, as JSON (e.g. "
+                    '\'{"checkpoint": {"load_universal": true}}\')')
     ap.add_argument("--load", default=None, help="load_checkpoint(DIR) before training (resume)")
     ap.add_argument("--start-step", type=int, default=0, help="skip this many global batches of the data stream")
     ap.add_argument("--save", default=None, help="save_checkpoint(DIR) after training")
@@ -96,9 +98,9 @@ def main() -> None:
 
     rank, world = dist.get_rank(), dist.get_world_size()
     model, vocab = build(args)
-    eng, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(),
-                                  config=config(args.stage, args.dtype, args.micro, args.clip,
-                                                json.loads(args.zero_json) if args.zero_json else None))
+    cfg = config(args.stage, args.dtype, args.micro, args.clip, json.loads(args.zero_json) if args.zero_json else None)
+    cfg.update(json.loads(args.ds_json) if args.ds_json else {})
+    eng, _, _, _ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     if args.load:
         eng.load_checkpoint(args.load)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if torch.cuda.is_available() else "cpu"

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -68,6 +69,14 @@ def _say(text: str) -> None:
     from ..errors import printable
 
     print("\n".join(printable(line, 10**6) for line in text.split("\n")))
+
+
+class ReshardFormat(str, Enum):
+    """``zckpt reshard --format``: which writer lays the checkpoint out."""
+
+    engine = "engine"
+    universal = "universal"
+    deepspeed = "deepspeed"
 
 
 def _out_arg(what: str):
@@ -131,7 +140,8 @@ def consolidate(
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
                     "  zckpt reshard out/checkpoint-500 resume-ws4/ --world-size 4 --stage 3\n"
-                    "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json")
+                    "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json\n"
+                    "  zckpt reshard out/checkpoint-500 uni/ --world-size 8 --format universal")
 def reshard(
     src: SrcArg,
     out: _out_arg("Output save dir"),
@@ -146,6 +156,10 @@ def reshard(
                                                                     "(its zero_optimization stage and buckets).")]
     = None,
     tag: TagOpt = None,
+    format: Annotated[ReshardFormat, typer.Option(
+        "--format", case_sensitive=False, help="engine: an engine checkpoint; universal: DeepSpeed's universal "
+                                               "checkpoint (load_universal); deepspeed: a native DeepSpeed ZeRO "
+                                               "checkpoint for --world-size ranks.")] = ReshardFormat.engine,
     overwrite: OverwriteOpt = False,
     workers: _workers_opt("Writer threads (default: 8, or the CPU count if higher).") = None,
     quiet: QuietOpt = False,
@@ -153,12 +167,14 @@ def reshard(
     best: BestOpt = False,
 ) -> None:
     """Lay a checkpoint's full training state out for another world size (and ZeRO stage): an engine checkpoint
-    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters)."""
+    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters),
+    or, with --format, one that DeepSpeed resumes from."""
     from ..reshard import reshard as run
 
     result = run(_best_or(src, best, tag), out, world_size=world_size, stage=stage,
                  reduce_bucket_size=reduce_bucket_size, config=config, tag=tag, overwrite=overwrite,
-                 quiet=quiet or as_json, workers=workers)
+                 quiet=quiet or as_json, workers=workers,
+                 format=format.value)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return
@@ -167,6 +183,11 @@ def reshard(
     _say(f"wrote {result.out}: tag {result.tag}, {result.parameters:,} trainable parameters with "
           f"{', '.join(result.state_keys)}; {human_bytes(result.bytes_written)} in {len(result.files)} file(s) "
           f"[{result.seconds:.2f}s]")
+    if result.format == "universal":
+        _say(f"  from {result.source} ({result.source_format}, world size {result.from_world_size}, ZeRO stage "
+              f"{result.from_stage}); DeepSpeed resumes it at any world size and stage with "
+              '"checkpoint": {"load_universal": true}')
+        return
     _say(f"  from {result.source} ({result.source_format}): world size {result.from_world_size} -> "
           f"{result.to_world_size}, ZeRO stage {result.from_stage} -> {result.to_stage}")
 

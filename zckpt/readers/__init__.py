@@ -52,7 +52,23 @@ class DeepSpeedReader:
         return read_deepspeed_plan(located)
 
 
-READERS: tuple[Reader, ...] = (EngineNativeReader(), DeepSpeedReader())
+class DeepSpeedUniversalReader:
+    """Before :class:`DeepSpeedReader`: a universal tag folder also holds ``*_model_states.pt``."""
+
+    name, marker = "deepspeed-universal", "zero/optimizer_state.pt"
+
+    def claims(self, tag_dir: Path) -> bool:
+        from .deepspeed_universal import is_universal_tag_dir
+
+        return is_universal_tag_dir(tag_dir)
+
+    def read(self, located: Located) -> CheckpointPlan:
+        from .deepspeed_universal import read_universal_plan
+
+        return read_universal_plan(located)
+
+
+READERS: tuple[Reader, ...] = (EngineNativeReader(), DeepSpeedUniversalReader(), DeepSpeedReader())
 
 
 def reader_for(tag_dir: Path) -> Reader | None:

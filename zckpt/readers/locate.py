@@ -3,7 +3,8 @@
 SRC may be:
 
 * a tag folder itself (``global_step500/``) — holds ``*_model_states.pt`` (DeepSpeed) or ``manifest.json`` (engine);
-* a save dir whose ``latest`` names the tag (or ``--tag``);
+* a save dir whose ``latest`` names the tag (or ``--tag``; a DeepSpeed universal save dir without ``latest``: its
+  ``latest_universal``);
 * an HF Trainer ``checkpoint-N/`` folder, which is a save dir plus ``config.json`` and tokenizer files;
 * an HF Trainer output dir holding ``checkpoint-N/`` folders: the newest complete one is used.
 """
@@ -109,8 +110,23 @@ def _list_tags(save_dir: Path) -> str:
     return ", ".join(tags) if tags else "(no tag folders found)"
 
 
+def _read_latest_universal(save_dir: Path) -> str:
+    """The tag named by ``latest_universal`` (what DeepSpeed's ``ds_to_universal`` writes beside its output)."""
+    path = save_dir / "latest_universal"
+    tag = path.read_bytes()[:4096].decode("utf-8", errors="replace").strip()
+    try:
+        spec.check_tag(tag)
+    except spec.FormatError:
+        raise CheckpointIncompleteError(f"{path} names no valid tag ({tag[:80]!r}); pass --tag with one of: "
+                                        f"{_list_tags(save_dir)}") from None
+    return tag
+
+
 def _locate_in_save_dir(save_dir: Path, tag: str | None, kind: str) -> Located:
-    if tag is None:
+    if tag is None and not (save_dir / "latest").is_file() and (save_dir / "latest_universal").is_file():
+        tag = _read_latest_universal(save_dir)  # a universal save dir: DeepSpeed reads this file then
+        origin = f"{save_dir / 'latest_universal'} names tag {tag!r}"
+    elif tag is None:
         _check_latest_file(save_dir)
         if not (save_dir / "latest").is_file():
             raise SourceNotFoundError(

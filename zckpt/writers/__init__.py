@@ -63,6 +63,31 @@ class EngineNativeWriter:
         return manifest
 
 
-WRITERS: dict[str, Writer] = {w.name: w for w in (HFSafetensorsWriter(), EngineNativeWriter())}
+class DeepSpeedUniversalWriter:
+    """DeepSpeed universal checkpoint (``<tag>/zero/<param>/fp32.pt, exp_avg.pt, ...``, model states,
+    ``latest_universal``) that DeepSpeed resumes from at any world size with ``load_universal``. Options: ``target``
+    (its ``world_size`` is recorded as ``dp_world_size``), ``workers``."""
 
-__all__ = ["WRITERS", "Writer", "HFSafetensorsWriter", "EngineNativeWriter"]
+    name, needs = "universal", "training"
+
+    def total_bytes(self, plan: CheckpointPlan, **options: Any) -> int:
+        from .deepspeed_universal import check_universal, written_bytes
+
+        check_universal(plan)
+        return written_bytes(plan)
+
+    def write(self, plan: CheckpointPlan, folder: Path, progress: Callable[[int], None], *, target,
+              workers: int = 8):
+        from .deepspeed_universal import write_universal_checkpoint
+        from .hf_safetensors import copy_model_files
+
+        result = write_universal_checkpoint(plan, folder, world_size=target.world_size, workers=workers,
+                                            progress=progress)
+        copy_model_files(Path(plan.model_dir) if plan.model_dir else None, folder, None)
+        return result
+
+
+WRITERS: dict[str, Writer] = {w.name: w for w in (HFSafetensorsWriter(), EngineNativeWriter(),
+                                                  DeepSpeedUniversalWriter())}
+
+__all__ = ["WRITERS", "Writer", "HFSafetensorsWriter", "EngineNativeWriter", "DeepSpeedUniversalWriter"]
