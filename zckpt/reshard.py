@@ -18,6 +18,8 @@ from .plan import CheckpointPlan
 from .assemble import default_workers
 from .readers import open_plan
 
+#: ``--format`` values: the writer each names in :data:`zckpt.writers.WRITERS`
+RESHARD_FORMATS = ("engine", "universal", "deepspeed")
 #: the engine's default ``zero_optimization.reduce_bucket_size`` (engine/config.py)
 DEFAULT_BUCKET = 500_000_000
 
@@ -32,12 +34,13 @@ class ReshardResult:
     to_world_size: int
     from_stage: int
     to_stage: int
-    reduce_bucket_size: int
+    reduce_bucket_size: int | None
     parameters: int
     state_keys: list[str]
     files: list[str]
     bytes_written: int
     seconds: float
+    format: str = "engine"
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -107,8 +110,10 @@ def _io_workers() -> int:
 
 def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | None = None,
             reduce_bucket_size: int | None = None, config: str | Path | None = None, tag: str | None = None,
-            overwrite: bool = False, quiet: bool = True, workers: int | None = None) -> ReshardResult:
-    """Write SRC's training state as an engine-native checkpoint for ``world_size`` ranks into OUT."""
+            overwrite: bool = False, quiet: bool = True, workers: int | None = None,
+            format: str = "engine") -> ReshardResult:
+    """Write SRC's training state as a checkpoint for ``world_size`` ranks into OUT: engine-native (``format``
+    "engine"), or a plain DeepSpeed ZeRO checkpoint ("deepspeed", :mod:`zckpt.writers.deepspeed_native`)."""
     from tqdm.auto import tqdm
 
     from .outdir import check_output, staged_output
@@ -119,19 +124,29 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
     out = Path(out)
     if world_size < 1:
         raise InvalidArgumentError(f"--world-size must be at least 1, got {world_size}")
+    if format not in RESHARD_FORMATS:
+        raise InvalidArgumentError(f"--format must be one of {', '.join(RESHARD_FORMATS)}, got {format!r}")
+    if format not in WRITERS:
+        raise InvalidArgumentError(f"--format {format}: this zckpt has no {format} writer yet; use --format engine")
     plan = open_plan(src, tag)
     require_training_state(plan)
-    target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
-    writer = WRITERS["engine"]
+    if format == "deepspeed":
+        from .writers.deepspeed_native import resolve_deepspeed_target
+
+        target = resolve_deepspeed_target(plan, world_size, stage, _config_zero(config))
+    else:
+        target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
+    writer = WRITERS[format]
     total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
     with staged_output(out, overwrite) as staging, \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
-        manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
+        written = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
+    sizes = {name: getattr(entry, "size", entry) for name, entry in written.files.items()}
     return ReshardResult(
-        source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,
+        source=plan.source, tag=written.tag, out=str(out), source_format=plan.format,
         from_world_size=plan.world_size, to_world_size=target.world_size, from_stage=plan.stage,
-        to_stage=target.stage, reduce_bucket_size=target.reduce_bucket_size,
+        to_stage=target.stage, reduce_bucket_size=getattr(target, "reduce_bucket_size", None),
         parameters=sum(t.numel for t in plan.trainable()), state_keys=list(plan.training.state_keys),
-        files=sorted(manifest.files), bytes_written=sum(f.size for f in manifest.files.values()),
-        seconds=round(time.perf_counter() - started, 3))
+        files=sorted(sizes), bytes_written=sum(sizes.values()),
+        seconds=round(time.perf_counter() - started, 3), format=format)

@@ -110,6 +110,9 @@ def reshard(
                                                                     "(its zero_optimization stage and buckets).")]
     = None,
     tag: TagOpt = None,
+    format: Annotated[str, typer.Option("--format", help="engine|universal|deepspeed. engine: an engine checkpoint; deepspeed: a plain DeepSpeed ZeRO "
+                                             "checkpoint that DeepSpeed's load_checkpoint resumes at --world-size; "
+                                             "universal: a DeepSpeed universal checkpoint.")] = "engine",
     overwrite: OverwriteOpt = False,
     workers: _workers_opt("Writer threads (default: 8, or the CPU count if higher).") = None,
     quiet: QuietOpt = False,
@@ -120,7 +123,7 @@ def reshard(
     from ..reshard import reshard as run
 
     result = run(src, out, world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size,
-                 config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers)
+                 config=config, tag=tag, overwrite=overwrite, quiet=quiet or as_json, workers=workers, format=format)
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
         return

@@ -1,0 +1,442 @@
+"""Writer: a plan with training state -> a plain DeepSpeed ZeRO checkpoint laid out for N ranks.
+
+What DeepSpeed 0.19.8's ordinary ``engine.load_checkpoint`` reads at world size N (no universal flag):
+
+* ``OUT/latest`` (the tag) and ``OUT/<tag>/``;
+* per rank ``[bf16_]zero_pp_rank_{r}_mp_rank_00_optim_states.pt`` (``bf16_`` when the run is bf16, as
+  ``engine._get_rank_zero_ckpt_name`` names it): ``{"optimizer_state_dict": ..., "ds_config", "ds_version"}`` with
+  the structure ``DeepSpeedZeroOptimizer.state_dict()`` (stages 1/2, rigid) or ``DeepSpeedZeroOptimizer_Stage3
+  ._rigid_state_dict()`` (stage 3) produce: flat fp32 partitions (:mod:`.deepspeed_layout`), the base torch
+  optimizer's ``state_dict`` over them (moments, ``step``, hyper-parameters), loss scaler, ``partition_count``;
+* stages 1/2: ``mp_rank_00_model_states.pt`` with the whole ``module`` at the training dtype (the fp32 masters cast
+  as DeepSpeed casts them, round-to-nearest-even), stage 3: ``zero_pp_rank_{r}_mp_rank_00_model_states.pt`` per rank
+  (parameters as empty tensors, buffers whole, frozen parameters as the rank's padded piece); both with
+  ``param_shapes``, ``frozen_param_shapes``/``_fragments``, ``shared_params``, counters, ``lr_scheduler``,
+  ``dp_world_size`` (DeepSpeed refuses a load whose value differs from its world size), ``ds_config``,
+  ``ds_version`` and the client state.
+
+Flat groups follow the plan's trainable parameters per optimizer group, in model order -- the order DeepSpeed
+flattens them when the optimizer's param groups list the parameters as ``model.named_parameters()`` does (plain
+``model.parameters()``, HF Trainer's decay/no-decay groups).
+
+Files are written one rank at a time (memory: the whole fp32 model for stages 1/2's module, plus one rank's
+partitions); each is fsynced.
+"""
+
+from __future__ import annotations
+
+import copy
+import ctypes
+import math
+import os
+from collections import OrderedDict
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from engine import checkpoint_format as spec
+
+from ..assemble import FileCache, read_range
+from ..errors import InvalidArgumentError, UnsupportedCheckpointError
+from ..plan import DTYPE_SIZES, CheckpointPlan, TensorPlan
+from . import deepspeed_pickle as dsp
+from .deepspeed_layout import DEFAULT_SUB_GROUP_SIZE, DeepSpeedLayout, FlatGroup, deepspeed_layout
+from .engine_native import require_training_state
+
+#: what ``ds_version`` our files claim: the DeepSpeed release whose layout they follow
+DS_VERSION = "0.19.8"
+#: DeepSpeed's ``gradient_clipping`` default (``runtime/constants.py``); restored into the optimizer at load
+GRADIENT_CLIPPING_DEFAULT = 1.0
+#: elements per positioned read (bounded work items for the reader threads)
+CHUNK_ELEMENTS = 4 * 2**20
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedTarget:
+    world_size: int
+    stage: int
+    sub_group_size: int = DEFAULT_SUB_GROUP_SIZE
+
+    def __post_init__(self) -> None:
+        if self.world_size < 1:
+            raise InvalidArgumentError(f"--world-size must be at least 1, got {self.world_size}")
+        if self.stage not in (1, 2, 3):
+            raise InvalidArgumentError(f"--format deepspeed writes ZeRO stage 1, 2 or 3; got --stage {self.stage}")
+        if self.sub_group_size < 1:
+            raise InvalidArgumentError(f"zero_optimization.sub_group_size must be positive, got {self.sub_group_size}")
+
+
+@dataclass
+class DeepSpeedResult:
+    tag: str
+    files: dict[str, int] = field(default_factory=dict)  # relative path -> size
+
+
+def resolve_deepspeed_target(plan: CheckpointPlan, world_size: int, stage: int | None, zero: dict) -> DeepSpeedTarget:
+    """``--stage`` first, then ``--config``'s zero_optimization (``zero``), then the source's own stage /
+    ``sub_group_size``, then DeepSpeed's defaults."""
+    source_zero = plan.training.zero_config if plan.training else {}
+    if stage is None:
+        stage = zero.get("stage", plan.stage)
+    sub = zero.get("sub_group_size", source_zero.get("sub_group_size", DEFAULT_SUB_GROUP_SIZE))
+    try:
+        sub = int(float(sub))
+    except (TypeError, ValueError):
+        raise InvalidArgumentError(f"zero_optimization.sub_group_size {sub!r} is not a number; fix --config") from None
+    if not isinstance(stage, int) or isinstance(stage, bool):
+        raise InvalidArgumentError(f"zero_optimization.stage {stage!r} is not an integer; pass --stage")
+    return DeepSpeedTarget(world_size=world_size, stage=stage, sub_group_size=sub)
+
+
+def layout_of(plan: CheckpointPlan, target: DeepSpeedTarget) -> DeepSpeedLayout:
+    params = plan.trainable()
+    try:
+        return deepspeed_layout(target.stage, target.world_size, [t.numel for t in params],
+                                [t.group for t in params], target.sub_group_size)
+    except ValueError as exc:
+        raise UnsupportedCheckpointError(f"{plan.source}: cannot lay out for DeepSpeed ({exc})") from None
+
+
+def check_plan(plan: CheckpointPlan) -> None:
+    """Everything the writer needs, checked before any byte is written."""
+    require_training_state(plan)
+    training = plan.training
+    groups = {t.group for t in plan.trainable()}
+    if len(training.groups) != max(groups) + 1:
+        raise UnsupportedCheckpointError(f"{plan.source}: parameters name {max(groups) + 1} optimizer groups but the "
+                                         f"optimizer state has {len(training.groups)}; the checkpoint is inconsistent")
+    odd = [f"{t.name}/{s.key}" for t in plan.trainable() for s in t.state if s.dtype not in ("float32", "float64")]
+    if odd:
+        raise UnsupportedCheckpointError(f"{plan.source}: optimizer state {odd[0]} is not stored in fp32; DeepSpeed's "
+                                         "ZeRO optimizer keeps fp32 state, zckpt does not widen it")
+
+
+def total_bytes(plan: CheckpointPlan, target: DeepSpeedTarget) -> int:
+    per_param = sum(t.numel * 4 for t in plan.trainable()) * (1 + len(plan.training.state_keys))
+    return per_param + sum(t.nbytes for t in plan.tensors if t.kind != "param")
+
+
+# -- reading plan ranges into tensors ------------------------------------------------------------------------
+class _Reader:
+    """Positioned reads of plan element ranges into (slices of) CPU tensors, by a thread pool."""
+
+    def __init__(self, workers: int, progress: Callable[[int], None]):
+        self.files, self.progress = FileCache(), progress
+        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="zckpt-ds")
+
+    def close(self) -> None:
+        self.pool.shutdown()
+        self.files.close()
+
+    def _one(self, src: TensorPlan, start: int, count: int, out: torch.Tensor) -> None:
+        if src.dtype == _dtype_name(out.dtype):
+            read_range(src, self.files, start, count, _bytes_of(out))
+        else:
+            tmp = torch.empty(count, dtype=getattr(torch, src.dtype))
+            read_range(src, self.files, start, count, _bytes_of(tmp))
+            out.copy_(tmp)
+        self.progress(count * DTYPE_SIZES[src.dtype])
+
+    def fill(self, jobs: list[tuple[TensorPlan, int, int, torch.Tensor, int]]) -> None:
+        """Each job ``(src, start, count, out, dest)``: elements ``[start, start+count)`` of ``src`` into flat
+        ``out[dest:dest+count]``."""
+        work = []
+        for src, start, count, out, dest in jobs:
+            for done in range(0, count, CHUNK_ELEMENTS):
+                n = min(CHUNK_ELEMENTS, count - done)
+                work.append((src, start + done, n, out.narrow(0, dest + done, n)))
+        for fut in [self.pool.submit(self._one, *w) for w in work]:
+            fut.result()
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def _bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor (no copy)."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _flat_partition(reader: _Reader, flat: FlatGroup, rank: int, sources: list[TensorPlan]) -> torch.Tensor:
+    """Rank ``rank``'s fp32 partition of ``flat``, ``sources[i]`` holding trainable parameter ``i``'s elements."""
+    out = torch.zeros(flat.partition_numel, dtype=torch.float32)
+    reader.fill([(sources[p.param], p.start, p.count, out, p.dest) for p in flat.pieces[rank]])
+    return out
+
+
+# -- optimizer-state pieces --------------------------------------------------------------------------------------
+def _loss_scaler(plan: CheckpointPlan) -> tuple[Any, bool]:
+    """DeepSpeed's pickled loss scaler and ``dynamic_loss_scale``: the fp16 run's scaler, else ``LossScaler(1.0)``."""
+    state = plan.training.loss_scaler if plan.train_dtype == "float16" else None
+    if not state or state.get("type") != "dynamic":
+        scale = float(state["cur_scale"]) if state else 1.0
+        return dsp.deepspeed_object(dsp.LOSS_SCALER, {"cur_scale": scale, "dynamic": False}), False
+    attrs = {"cur_scale": float(state["cur_scale"]), "dynamic": True, "cur_iter": int(state["cur_iter"]),
+             "last_overflow_iter": int(state["last_overflow_iter"]), "scale_factor": float(state["scale_factor"]),
+             "scale_window": int(state["scale_window"]), "min_scale": float(state["min_scale"]),
+             "delayed_shift": int(state["hysteresis"]), "cur_hysteresis": int(state["cur_hysteresis"]),
+             "consecutive_hysteresis": bool(state["consecutive_hysteresis"]),
+             "raise_error_at_min_scale": bool(state.get("raise_error_at_min_scale", True)), "dtype": torch.float16}
+    return dsp.deepspeed_object(dsp.DYNAMIC_LOSS_SCALER, attrs), True
+
+
+def _hparams(plan: CheckpointPlan, g: int) -> tuple[dict, dict]:
+    """Torch ``param_groups[g]`` hyper-parameters (``params`` added by the caller) and group ``g``'s scalar state."""
+    hp = dict(plan.training.groups[g].hparams)
+    if isinstance(hp.get("betas"), list):
+        hp["betas"] = tuple(hp["betas"])
+    if plan.training.optimizer in ("adam", "adamw"):
+        # torch's Adam.__setstate__ defaults a missing flag to False (coupled decay): say which one the run used
+        hp.setdefault("decoupled_weight_decay", plan.training.optimizer == "adamw")
+    scalars = {}
+    if "step" in hp and not any(s.name == "step" for s in plan.training.groups[g].scalars):
+        scalars["step"] = torch.tensor(float(hp.pop("step")), dtype=torch.float32)
+    return hp, scalars
+
+
+def _scalar_values(reader: _Reader, plan: CheckpointPlan) -> list[dict[str, torch.Tensor]]:
+    out = []
+    for g in range(len(plan.training.groups)):
+        values = {}
+        for s in plan.training.groups[g].scalars:
+            t = torch.zeros((), dtype=getattr(torch, s.dtype))
+            read_range(s, reader.files, 0, 1, _bytes_of(t.reshape(1)))
+            values[s.name] = t.to(torch.float32) if s.name == "step" else t
+        out.append(values)
+    return out
+
+
+def _base_optimizer_state(plan: CheckpointPlan, layout: DeepSpeedLayout, scalars: list[dict],
+                          moments: list[dict[str, torch.Tensor]]) -> dict:
+    """Torch's ``optimizer.state_dict()`` over the flat groups (one torch parameter each, numbered in order)."""
+    state, groups = {}, []
+    for s, flat in enumerate(layout.flat_groups):
+        hp, extra = _hparams(plan, flat.group)
+        state[s] = {**extra, **{k: v.clone() for k, v in scalars[flat.group].items()}, **moments[s]}
+    for g in range(len(plan.training.groups)):
+        hp, _ = _hparams(plan, g)
+        groups.append({**hp, "params": [s for s, flat in enumerate(layout.flat_groups) if flat.group == g]})
+    return {"state": state, "param_groups": groups}
+
+
+def _ds_config(plan: CheckpointPlan, target: DeepSpeedTarget) -> dict:
+    config = copy.deepcopy(plan.training.config) if isinstance(plan.training.config, dict) else {}
+    zero = config.setdefault("zero_optimization", {})
+    if isinstance(zero, dict):
+        zero["stage"] = target.stage
+    return config
+
+
+def _clip_grad(plan: CheckpointPlan) -> float:
+    value = (plan.training.config or {}).get("gradient_clipping", GRADIENT_CLIPPING_DEFAULT)
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else \
+        GRADIENT_CLIPPING_DEFAULT
+
+
+def optim_file_name(plan: CheckpointPlan, rank: int) -> str:
+    prefix = "bf16_" if plan.train_dtype == "bfloat16" else ""
+    return f"{prefix}zero_pp_rank_{rank}_mp_rank_00_optim_states.pt"
+
+
+def model_file_name(stage: int, rank: int) -> str:
+    return "mp_rank_00_model_states.pt" if stage <= 2 else f"zero_pp_rank_{rank}_mp_rank_00_model_states.pt"
+
+
+# -- model states ------------------------------------------------------------------------------------------------
+def _read_whole(reader: _Reader, t: TensorPlan, dtype: str | None = None) -> torch.Tensor:
+    out = torch.empty(t.numel, dtype=getattr(torch, dtype or t.dtype))
+    reader.fill([(t, 0, t.numel, out, 0)])
+    return out.view(t.shape)
+
+
+def _model_states(plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpeedLayout, module: dict,
+                  frozen_fragments: dict | None, rank: int = 0) -> dict:
+    """``engine._common_checkpoint_state`` + client state, in DeepSpeed's key order (``shared_params`` is
+    computed on rank 0 only: the other ranks' stage-3 files say ``{}``)."""
+    params = plan.trainable()
+    training = plan.training
+    frozen = [t for t in plan.tensors if t.kind == "frozen"]
+    save_frozen = target.stage >= 2  # zero_optimization_partition_gradients()
+    scheduler = training.scheduler
+    if isinstance(scheduler, dict) and plan.format == "engine":
+        scheduler = {k: v for k, v in scheduler.items() if k != "type"}  # the engine's own tag, not DeepSpeed's
+    state = dict(
+        module=module,
+        buffer_names=[t.name for t in plan.tensors if t.kind == "buffer"],
+        optimizer=None,
+        param_shapes=[OrderedDict((params[i].name, torch.Size(params[i].shape)) for i in flat.params)
+                      for flat in layout.flat_groups],
+        frozen_param_shapes=OrderedDict((t.name, torch.Size(t.shape)) for t in frozen) if save_frozen else None,
+        shared_params=dict(plan.aliases) if rank == 0 else {},
+        frozen_param_fragments=frozen_fragments if save_frozen else None,
+        lr_scheduler=scheduler,
+        data_sampler=None,
+        random_ltd=None,
+        skipped_steps=int(training.counters.get("skipped_steps", 0)),
+        global_steps=int(training.counters.get("global_steps", plan.step or 0)),
+        global_samples=int(training.counters.get("global_samples", 0)),
+        dp_world_size=target.world_size,
+        mp_world_size=1,
+        checkpoint_parallel_dimensions={"pp_degree": 1, "tp_degree": 1},
+        ds_config=_ds_config(plan, target),
+        ds_version=DS_VERSION,
+    )
+    state.update({k: v for k, v in training.client_state.items() if k not in state})
+    return state
+
+
+def _save(obj: Any, path: Path, result: DeepSpeedResult, root: Path) -> None:
+    dsp.save(obj, path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+    result.files[str(path.relative_to(root))] = path.stat().st_size
+
+
+# -- stages 1/2 --------------------------------------------------------------------------------------------------
+def _zero12_module(reader: _Reader, plan: CheckpointPlan, layout: DeepSpeedLayout) -> tuple[list, dict]:
+    """Each param group's whole flat fp32 vector, and the ``module`` state dict at the training dtype (parameters
+    as views of one flat bit16 buffer per group, as DeepSpeed's own are)."""
+    params = plan.trainable()
+    flats, views = [], {}
+    for flat in layout.flat_groups:
+        full = torch.zeros(flat.partition_numel * layout.world_size, dtype=torch.float32)
+        offsets = [0]
+        for i in flat.params:
+            offsets.append(offsets[-1] + params[i].numel)
+        reader.fill([(params[i], 0, params[i].numel, full, off) for i, off in zip(flat.params, offsets)])
+        flats.append(full)
+        bit16 = full if plan.train_dtype == "float32" else full.to(getattr(torch, plan.train_dtype))
+        for i, off in zip(flat.params, offsets):
+            views[params[i].name] = bit16.narrow(0, off, params[i].numel).view(params[i].shape)
+    module = OrderedDict()
+    for t in plan.tensors:
+        module[t.name] = views[t.name] if t.kind == "param" else _read_whole(reader, t)
+    for alias, canonical in plan.aliases.items():
+        module.setdefault(alias, module[canonical])
+    return flats, module
+
+
+def _zero12_rank(plan: CheckpointPlan, layout: DeepSpeedLayout, rank: int, flats: list[torch.Tensor],
+                 moments: list[dict], scalars: list[dict]) -> dict:
+    """``DeepSpeedZeroOptimizer.state_dict()`` of rank ``rank`` (rigid form, ``elastic_checkpoint`` off)."""
+    params = plan.trainable()
+    loss_scaler, dynamic = _loss_scaler(plan)
+    fp32 = [flats[s].narrow(0, rank * flat.partition_numel, flat.saved_numel(rank)).clone()
+            for s, flat in enumerate(layout.flat_groups)]
+    mappings = [OrderedDict((params[p.param].name, dsp.deepspeed_object(dsp.FRAGMENT_ADDRESS,
+                                                                          {"numel": p.count, "start": p.dest}))
+                            for p in flat.pieces[rank]) for flat in layout.flat_groups]
+    return {
+        "loss_scaler": loss_scaler, "dynamic_loss_scale": dynamic, "overflow": False, "clip_grad": _clip_grad(plan),
+        "base_optimizer_state": _base_optimizer_state(plan, layout, scalars, moments),
+        "single_partition_of_fp32_groups": fp32,
+        "zero_stage": dsp.zero_stage_enum(2 if layout.stage == 2 else 1),
+        "group_paddings": [flat.padding[rank] for flat in layout.flat_groups],
+        "param_alignment_paddings": [[0] * len(flat.params) for flat in layout.flat_groups],
+        "partition_count": [layout.world_size] * len(layout.flat_groups),
+        "ds_version": DS_VERSION,
+        "param_slice_mappings": mappings,
+    }
+
+
+def _write_zero12(reader: _Reader, plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpeedLayout,
+                  tag_dir: Path, result: DeepSpeedResult, root: Path) -> None:
+    params = plan.trainable()
+    flats, module = _zero12_module(reader, plan, layout)
+    frozen = OrderedDict((t.name, module[t.name]) for t in plan.tensors if t.kind == "frozen")
+    _save(_model_states(plan, target, layout, module, frozen), tag_dir / model_file_name(target.stage, 0),
+          result, root)
+    del module, frozen
+    scalars = _scalar_values(reader, plan)
+    for r in range(target.world_size):
+        moments = [{key: _flat_partition(reader, flat, r, [t.state_tensor(key) for t in params])
+                    for key in plan.training.state_keys} for flat in layout.flat_groups]
+        osd = _zero12_rank(plan, layout, r, flats, moments, scalars)
+        _save({"optimizer_state_dict": osd, "ds_config": _ds_config(plan, target), "ds_version": DS_VERSION},
+              tag_dir / optim_file_name(plan, r), result, root)
+
+
+# -- stage 3 -----------------------------------------------------------------------------------------------------
+def _zero3_module(reader: _Reader, plan: CheckpointPlan, buffers: dict) -> OrderedDict:
+    """Stage 3's ``module``: parameters (trainable and frozen) as empty tensors at their dtype, buffers whole."""
+    module = OrderedDict()
+    dtype = getattr(torch, plan.train_dtype)
+    for t in plan.tensors:
+        if t.kind == "buffer":
+            module[t.name] = buffers[t.name]
+        else:
+            module[t.name] = torch.empty(0, dtype=dtype if t.kind == "param" else getattr(torch, t.dtype))
+    for alias, canonical in plan.aliases.items():
+        module.setdefault(alias, module[canonical])
+    return module
+
+
+def _zero3_frozen(reader: _Reader, plan: CheckpointPlan, world: int, rank: int) -> OrderedDict:
+    """Each frozen parameter's ``ds_tensor`` on rank ``rank``: its ``ceil(numel / world)`` piece, zero-padded."""
+    out = OrderedDict()
+    for t in plan.tensors:
+        if t.kind == "frozen":
+            part = math.ceil(t.numel / world)
+            piece = torch.zeros(part, dtype=getattr(torch, t.dtype))
+            count = max(0, min(part, t.numel - rank * part))
+            if count:
+                reader.fill([(t, rank * part, count, piece, 0)])
+            out[t.name] = piece
+    return out
+
+
+def _write_zero3(reader: _Reader, plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpeedLayout,
+                 tag_dir: Path, result: DeepSpeedResult, root: Path) -> None:
+    params = plan.trainable()
+    buffers = {t.name: _read_whole(reader, t) for t in plan.tensors if t.kind == "buffer"}
+    module = _zero3_module(reader, plan, buffers)
+    scalars = _scalar_values(reader, plan)
+    loss_scaler, dynamic = _loss_scaler(plan)
+    for r in range(target.world_size):
+        frozen = _zero3_frozen(reader, plan, target.world_size, r)
+        _save(_model_states(plan, target, layout, module, frozen, r), tag_dir / model_file_name(3, r), result,
+              root)
+        fp32 = [_flat_partition(reader, flat, r, list(params)) for flat in layout.flat_groups]
+        moments = [{key: _flat_partition(reader, flat, r, [t.state_tensor(key) for t in params])
+                    for key in plan.training.state_keys} for flat in layout.flat_groups]
+        osd = {"zero_stage": dsp.zero_stage_enum(3), "loss_scaler": loss_scaler, "dynamic_loss_scale": dynamic,
+               "overflow": False, "partition_count": target.world_size,
+               "optimizer_state_dict": _base_optimizer_state(plan, layout, scalars, moments),
+               "fp32_flat_groups": fp32}
+        _save({"optimizer_state_dict": osd, "ds_config": _ds_config(plan, target), "ds_version": DS_VERSION},
+              tag_dir / optim_file_name(plan, r), result, root)
+
+
+def write_deepspeed_checkpoint(plan: CheckpointPlan, save_dir: Path, target: DeepSpeedTarget, *,
+                               tag: str | None = None, workers: int = 4,
+                               progress: Callable[[int], None] = lambda n: None) -> DeepSpeedResult:
+    """Write ``save_dir/<tag>/`` and ``save_dir/latest`` for ``target``; ``save_dir`` should be a fresh (staging)
+    folder."""
+    check_plan(plan)
+    tag = tag or plan.tag
+    spec.check_tag(tag)
+    layout = layout_of(plan, target)
+    save_dir = Path(save_dir)
+    tag_dir = save_dir / tag
+    tag_dir.mkdir(parents=True)
+    result = DeepSpeedResult(tag=tag)
+    reader = _Reader(workers, progress)
+    try:
+        write = _write_zero3 if target.stage == 3 else _write_zero12
+        write(reader, plan, target, layout, tag_dir, result, save_dir)
+    finally:
+        reader.close()
+    spec.fsync_path(tag_dir)
+    (save_dir / "latest").write_text(tag)  # DeepSpeed's own: the tag, no newline (outdir fsyncs it)
+    result.files["latest"] = len(tag.encode())
+    return result
