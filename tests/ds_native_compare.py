@@ -41,8 +41,10 @@ def _walk(a, b, where: str, diffs: list[str], masks: dict[str, torch.Tensor]) ->
                 diffs.append(f"{where}: values differ")
         return
     if isinstance(a, dict) and isinstance(b, dict):
-        if list(a) != list(b):
+        if set(a) != set(b):
             diffs.append(f"{where}: keys {list(a)} vs {list(b)}")
+        elif list(a) != list(b):
+            diffs.append(f"{where}: key order {list(a)} vs {list(b)}")
         for key in a:
             if key in b:
                 _walk(a[key], b[key], f"{where}.{key}", diffs, masks)

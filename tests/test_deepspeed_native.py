@@ -110,3 +110,22 @@ def test_deepspeed_format_refuses_stage_0(tmp_path, capsys):
     code, _, err = cli(capsys, "reshard", str(src), str(tmp_path / "out"), "-n", "2", "--format", "deepspeed",
                        "--stage", "0")
     assert code == 2 and err.startswith("error: ") and not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("name", ["z2_bf16_ws2_tied_g2", "z2_fp32_ws2_frozen", "z3_bf16_ws3_untied_g2"])
+def test_engine_source_gives_deepspeeds_own_files(tmp_path, name):
+    """DeepSpeed -> engine checkpoint at another N -> --format deepspeed at the original N: DeepSpeed's own files
+    again (the engine plan lists frozen parameters after the trainable ones: only the module's key order differs)."""
+    src = FIXTURES / name / "ckpt"
+    world = _world(name)
+    reshard(src, tmp_path / "engine", world_size=world + 1, format="engine")
+    result = reshard(tmp_path / "engine", tmp_path / "out", world_size=world, format="deepspeed")
+    assert result.source_format == "engine"
+    masks = {}
+    if result.to_stage == 3:
+        plan = open_plan(src)
+        masks = stage3_padding_masks(layout_of(plan, DeepSpeedTarget(world_size=world, stage=3)),
+                                     lambda r: optim_file_name(plan, r))
+    diffs = compare_tag_dirs(tmp_path / "out" / "global_step3", src / "global_step3", masks,
+                             ignore=("_model_states.pt.module: key order",))
+    assert diffs == []
