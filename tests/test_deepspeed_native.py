@@ -129,3 +129,30 @@ def test_engine_source_gives_deepspeeds_own_files(tmp_path, name):
     diffs = compare_tag_dirs(tmp_path / "out" / "global_step3", src / "global_step3", masks,
                              ignore=("_model_states.pt.module: key order",))
     assert diffs == []
+
+
+@pytest.mark.parametrize("zip64", [False, True])
+def test_streamed_files_are_valid_torch_zips(tmp_path, monkeypatch, zip64):
+    """Our streamed torch.save files pass zipfile's CRC check and read back with torch's own loader (weights-only
+    objects), also with zip64 size/offset fields (forced here with a tiny limit)."""
+    import zipfile
+
+    from zckpt.writers import torch_zip
+
+    if zip64:
+        monkeypatch.setattr(torch_zip, "ZIP64_LIMIT", 100)
+    base = torch.arange(300, dtype=torch.float32)
+    lazy = torch_zip.LazyStorage(torch.bfloat16, 1000, lambda start, out: out.copy_(
+        torch.arange(start, start + out.numel(), dtype=torch.float32)))
+    obj = {"real": base, "view": base[10:20].view(2, 5), "lazy": torch_zip.LazyTensor(lazy, (10, 50), 500),
+           "scalar": torch.tensor(3.0), "empty": torch.empty(0, dtype=torch.bfloat16)}
+    size = torch_zip.save(obj, tmp_path / "x.pt", chunk_bytes=64)
+    assert size == (tmp_path / "x.pt").stat().st_size
+    with zipfile.ZipFile(tmp_path / "x.pt") as zf:
+        assert zf.testzip() is None
+        assert zf.read("x/byteorder") == b"little"
+    back = torch.load(tmp_path / "x.pt", weights_only=True)
+    assert torch.equal(back["real"], base) and torch.equal(back["view"], base[10:20].view(2, 5))
+    assert back["view"].untyped_storage().data_ptr() == back["real"].untyped_storage().data_ptr()
+    assert torch.equal(back["lazy"], torch.arange(500, 1000, dtype=torch.float32).to(torch.bfloat16).view(10, 50))
+    assert back["scalar"].item() == 3.0 and back["empty"].dtype == torch.bfloat16

@@ -19,14 +19,14 @@ Flat groups follow the plan's trainable parameters per optimizer group, in model
 flattens them when the optimizer's param groups list the parameters as ``model.named_parameters()`` does (plain
 ``model.parameters()``, HF Trainer's decay/no-decay groups).
 
-Files are written one rank at a time (memory: the whole fp32 model for stages 1/2's module, plus one rank's
-partitions); each is fsynced.
+Files are streamed (:mod:`.torch_zip`: ``torch.save``'s format, tensors assembled chunk by chunk from the source
+while written, CRC-32 as it goes) by a few threads, one file each; memory is one 16 MiB chunk per thread, whatever
+the model size. Each file is fsynced.
 """
 
 from __future__ import annotations
 
 import copy
-import ctypes
 import math
 import os
 from collections import OrderedDict
@@ -43,6 +43,8 @@ from ..assemble import FileCache, read_range
 from ..errors import InvalidArgumentError, UnsupportedCheckpointError
 from ..plan import DTYPE_SIZES, CheckpointPlan, TensorPlan
 from . import deepspeed_pickle as dsp
+from .torch_zip import LazyStorage, LazyTensor, bytes_of
+from .torch_zip import save as save_torch_file
 from .deepspeed_layout import DEFAULT_SUB_GROUP_SIZE, DeepSpeedLayout, FlatGroup, deepspeed_layout
 from .engine_native import require_training_state
 
@@ -50,8 +52,6 @@ from .engine_native import require_training_state
 DS_VERSION = "0.19.8"
 #: DeepSpeed's ``gradient_clipping`` default (``runtime/constants.py``); restored into the optimizer at load
 GRADIENT_CLIPPING_DEFAULT = 1.0
-#: elements per positioned read (bounded work items for the reader threads)
-CHUNK_ELEMENTS = 4 * 2**20
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -115,60 +115,63 @@ def check_plan(plan: CheckpointPlan) -> None:
 
 
 def total_bytes(plan: CheckpointPlan, target: DeepSpeedTarget) -> int:
-    per_param = sum(t.numel * 4 for t in plan.trainable()) * (1 + len(plan.training.state_keys))
-    return per_param + sum(t.nbytes for t in plan.tensors if t.kind != "param")
+    """Bytes read from the source (for progress bars): masters and state once, masters again for the stage-1/2
+    ``module``, frozen parameters and buffers (per rank at stage 3: buffers are in every rank's file)."""
+    masters = sum(t.numel * 4 for t in plan.trainable())
+    others = sum(t.nbytes for t in plan.tensors if t.kind == "frozen")
+    buffers = sum(t.nbytes for t in plan.tensors if t.kind == "buffer")
+    if target.stage == 3:
+        return masters * (1 + len(plan.training.state_keys)) + others + buffers * target.world_size
+    return masters * (2 + len(plan.training.state_keys)) + others + buffers
 
 
-# -- reading plan ranges into tensors ------------------------------------------------------------------------
-class _Reader:
-    """Positioned reads of plan element ranges into (slices of) CPU tensors, by a thread pool."""
+# -- tensors produced from the plan while the file is written ---------------------------------------------------
+#: (dest element, count, source tensor, source start element): a range of a lazily built flat tensor
+Segment = tuple[int, int, TensorPlan, int]
 
-    def __init__(self, workers: int, progress: Callable[[int], None]):
+
+class _Sources:
+    """Fills chunks of lazily built tensors from plan element ranges (positioned reads; shared by writer threads)."""
+
+    def __init__(self, progress: Callable[[int], None]):
         self.files, self.progress = FileCache(), progress
-        self.pool = ThreadPoolExecutor(max_workers=max(1, workers), thread_name_prefix="zckpt-ds")
 
     def close(self) -> None:
-        self.pool.shutdown()
         self.files.close()
 
-    def _one(self, src: TensorPlan, start: int, count: int, out: torch.Tensor) -> None:
-        if src.dtype == _dtype_name(out.dtype):
-            read_range(src, self.files, start, count, _bytes_of(out))
-        else:
-            tmp = torch.empty(count, dtype=getattr(torch, src.dtype))
-            read_range(src, self.files, start, count, _bytes_of(tmp))
+    def _read(self, src: TensorPlan, start: int, out: torch.Tensor) -> None:
+        if src.dtype == str(out.dtype).removeprefix("torch."):
+            read_range(src, self.files, start, out.numel(), bytes_of(out))
+        else:  # e.g. the bf16 module from the fp32 masters: torch's cast rounds to nearest even, as DeepSpeed's
+            tmp = torch.empty(out.numel(), dtype=getattr(torch, src.dtype))
+            read_range(src, self.files, start, out.numel(), bytes_of(tmp))
             out.copy_(tmp)
-        self.progress(count * DTYPE_SIZES[src.dtype])
+        self.progress(out.numel() * DTYPE_SIZES[src.dtype])
 
-    def fill(self, jobs: list[tuple[TensorPlan, int, int, torch.Tensor, int]]) -> None:
-        """Each job ``(src, start, count, out, dest)``: elements ``[start, start+count)`` of ``src`` into flat
-        ``out[dest:dest+count]``."""
-        work = []
-        for src, start, count, out, dest in jobs:
-            for done in range(0, count, CHUNK_ELEMENTS):
-                n = min(CHUNK_ELEMENTS, count - done)
-                work.append((src, start + done, n, out.narrow(0, dest + done, n)))
-        for fut in [self.pool.submit(self._one, *w) for w in work]:
-            fut.result()
+    def lazy(self, dtype: torch.dtype, numel: int, segments: list[Segment]) -> LazyStorage:
+        """A storage of ``numel`` elements: ``segments`` read from the source, zeros elsewhere."""
+        segments = sorted(segments, key=lambda seg: seg[0])
 
+        def fill(start: int, out: torch.Tensor) -> None:
+            end, pos = start + out.numel(), start
+            for dest, count, src, src_start in segments:
+                lo, hi = max(dest, start), min(dest + count, end)
+                if lo >= hi:
+                    continue
+                out[pos - start:lo - start].zero_()
+                self._read(src, src_start + lo - dest, out[lo - start:hi - start])
+                pos = hi
+            out[pos - start:].zero_()
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+        return LazyStorage(dtype, numel, fill)
 
+    def whole(self, t: TensorPlan) -> LazyTensor:
+        return LazyTensor(self.lazy(getattr(torch, t.dtype), t.numel, [(0, t.numel, t, 0)]), t.shape)
 
-def _bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor (no copy)."""
-    nbytes = t.numel() * t.element_size()
-    if not nbytes:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
-
-
-def _flat_partition(reader: _Reader, flat: FlatGroup, rank: int, sources: list[TensorPlan]) -> torch.Tensor:
-    """Rank ``rank``'s fp32 partition of ``flat``, ``sources[i]`` holding trainable parameter ``i``'s elements."""
-    out = torch.zeros(flat.partition_numel, dtype=torch.float32)
-    reader.fill([(sources[p.param], p.start, p.count, out, p.dest) for p in flat.pieces[rank]])
-    return out
+    def partition(self, flat: FlatGroup, rank: int, sources: list[TensorPlan]) -> LazyStorage:
+        """Rank ``rank``'s fp32 partition of ``flat``, ``sources[i]`` holding trainable parameter ``i``'s elements."""
+        return self.lazy(torch.float32, flat.partition_numel,
+                         [(p.dest, p.count, sources[p.param], p.start) for p in flat.pieces[rank]])
 
 
 # -- optimizer-state pieces --------------------------------------------------------------------------------------
@@ -201,13 +204,13 @@ def _hparams(plan: CheckpointPlan, g: int) -> tuple[dict, dict]:
     return hp, scalars
 
 
-def _scalar_values(reader: _Reader, plan: CheckpointPlan) -> list[dict[str, torch.Tensor]]:
+def _scalar_values(reader: _Sources, plan: CheckpointPlan) -> list[dict[str, torch.Tensor]]:
     out = []
     for g in range(len(plan.training.groups)):
         values = {}
         for s in plan.training.groups[g].scalars:
             t = torch.zeros((), dtype=getattr(torch, s.dtype))
-            read_range(s, reader.files, 0, 1, _bytes_of(t.reshape(1)))
+            read_range(s, reader.files, 0, 1, bytes_of(t.reshape(1)))
             values[s.name] = t.to(torch.float32) if s.name == "step" else t
         out.append(values)
     return out
@@ -250,12 +253,6 @@ def model_file_name(stage: int, rank: int) -> str:
 
 
 # -- model states ------------------------------------------------------------------------------------------------
-def _read_whole(reader: _Reader, t: TensorPlan, dtype: str | None = None) -> torch.Tensor:
-    out = torch.empty(t.numel, dtype=getattr(torch, dtype or t.dtype))
-    reader.fill([(t, 0, t.numel, out, 0)])
-    return out.view(t.shape)
-
-
 def _model_states(plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpeedLayout, module: dict,
                   frozen_fragments: dict | None, rank: int = 0) -> dict:
     """``engine._common_checkpoint_state`` + client state, in DeepSpeed's key order (``shared_params`` is
@@ -292,47 +289,38 @@ def _model_states(plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpe
     return state
 
 
-def _save(obj: Any, path: Path, result: DeepSpeedResult, root: Path) -> None:
-    dsp.save(obj, path)
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
-    result.files[str(path.relative_to(root))] = path.stat().st_size
-
-
 # -- stages 1/2 --------------------------------------------------------------------------------------------------
-def _zero12_module(reader: _Reader, plan: CheckpointPlan, layout: DeepSpeedLayout) -> tuple[list, dict]:
-    """Each param group's whole flat fp32 vector, and the ``module`` state dict at the training dtype (parameters
-    as views of one flat bit16 buffer per group, as DeepSpeed's own are)."""
+def _zero12_module(reader: _Sources, plan: CheckpointPlan, layout: DeepSpeedLayout) -> OrderedDict:
+    """The ``module`` state dict at the training dtype: parameters as views of one flat buffer per group (as
+    DeepSpeed's own are), cast from the fp32 masters while written; frozen parameters and buffers as stored."""
     params = plan.trainable()
-    flats, views = [], {}
+    dtype = getattr(torch, plan.train_dtype)
+    views = {}
     for flat in layout.flat_groups:
-        full = torch.zeros(flat.partition_numel * layout.world_size, dtype=torch.float32)
-        offsets = [0]
+        segments, offset = [], 0
         for i in flat.params:
-            offsets.append(offsets[-1] + params[i].numel)
-        reader.fill([(params[i], 0, params[i].numel, full, off) for i, off in zip(flat.params, offsets)])
-        flats.append(full)
-        bit16 = full if plan.train_dtype == "float32" else full.to(getattr(torch, plan.train_dtype))
-        for i, off in zip(flat.params, offsets):
-            views[params[i].name] = bit16.narrow(0, off, params[i].numel).view(params[i].shape)
-    module = OrderedDict()
-    for t in plan.tensors:
-        module[t.name] = views[t.name] if t.kind == "param" else _read_whole(reader, t)
+            segments.append((offset, params[i].numel, params[i], 0))
+            offset += params[i].numel
+        storage = reader.lazy(dtype, offset, segments)
+        for dest, numel, t, _ in segments:
+            views[t.name] = LazyTensor(storage, t.shape, dest)
+    module = OrderedDict((t.name, views[t.name] if t.kind == "param" else reader.whole(t)) for t in plan.tensors)
     for alias, canonical in plan.aliases.items():
         module.setdefault(alias, module[canonical])
-    return flats, module
+    return module
 
 
-def _zero12_rank(plan: CheckpointPlan, layout: DeepSpeedLayout, rank: int, flats: list[torch.Tensor],
-                 moments: list[dict], scalars: list[dict]) -> dict:
-    """``DeepSpeedZeroOptimizer.state_dict()`` of rank ``rank`` (rigid form, ``elastic_checkpoint`` off)."""
-    params = plan.trainable()
+def _zero12_rank(reader: _Sources, plan: CheckpointPlan, layout: DeepSpeedLayout, rank: int,
+                 scalars: list[dict]) -> dict:
+    """``DeepSpeedZeroOptimizer.state_dict()`` of rank ``rank`` (rigid form, ``elastic_checkpoint`` off): the fp32
+    partition without its padding (a view of the padded partition, as DeepSpeed saves it), moments with it."""
+    params = list(plan.trainable())
     loss_scaler, dynamic = _loss_scaler(plan)
-    fp32 = [flats[s].narrow(0, rank * flat.partition_numel, flat.saved_numel(rank)).clone()
-            for s, flat in enumerate(layout.flat_groups)]
+    fp32 = [LazyTensor(reader.partition(flat, rank, params), (flat.saved_numel(rank),))
+            for flat in layout.flat_groups]
+    moments = [{key: LazyTensor(reader.partition(flat, rank, [t.state_tensor(key) for t in params]),
+                                (flat.partition_numel,)) for key in plan.training.state_keys}
+               for flat in layout.flat_groups]
     mappings = [OrderedDict((params[p.param].name, dsp.deepspeed_object(dsp.FRAGMENT_ADDRESS,
                                                                           {"numel": p.count, "start": p.dest}))
                             for p in flat.pieces[rank]) for flat in layout.flat_groups]
@@ -349,31 +337,27 @@ def _zero12_rank(plan: CheckpointPlan, layout: DeepSpeedLayout, rank: int, flats
     }
 
 
-def _write_zero12(reader: _Reader, plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpeedLayout,
-                  tag_dir: Path, result: DeepSpeedResult, root: Path) -> None:
-    params = plan.trainable()
-    flats, module = _zero12_module(reader, plan, layout)
+def _zero12_files(reader: _Sources, plan: CheckpointPlan, target: DeepSpeedTarget,
+                  layout: DeepSpeedLayout) -> list[tuple[str, dict]]:
+    module = _zero12_module(reader, plan, layout)
     frozen = OrderedDict((t.name, module[t.name]) for t in plan.tensors if t.kind == "frozen")
-    _save(_model_states(plan, target, layout, module, frozen), tag_dir / model_file_name(target.stage, 0),
-          result, root)
-    del module, frozen
+    files = [(model_file_name(target.stage, 0), _model_states(plan, target, layout, module, frozen))]
     scalars = _scalar_values(reader, plan)
     for r in range(target.world_size):
-        moments = [{key: _flat_partition(reader, flat, r, [t.state_tensor(key) for t in params])
-                    for key in plan.training.state_keys} for flat in layout.flat_groups]
-        osd = _zero12_rank(plan, layout, r, flats, moments, scalars)
-        _save({"optimizer_state_dict": osd, "ds_config": _ds_config(plan, target), "ds_version": DS_VERSION},
-              tag_dir / optim_file_name(plan, r), result, root)
+        osd = _zero12_rank(reader, plan, layout, r, scalars)
+        files.append((optim_file_name(plan, r), {"optimizer_state_dict": osd, "ds_config": _ds_config(plan, target),
+                                                 "ds_version": DS_VERSION}))
+    return files
 
 
 # -- stage 3 -----------------------------------------------------------------------------------------------------
-def _zero3_module(reader: _Reader, plan: CheckpointPlan, buffers: dict) -> OrderedDict:
+def _zero3_module(reader: _Sources, plan: CheckpointPlan) -> OrderedDict:
     """Stage 3's ``module``: parameters (trainable and frozen) as empty tensors at their dtype, buffers whole."""
-    module = OrderedDict()
     dtype = getattr(torch, plan.train_dtype)
+    module = OrderedDict()
     for t in plan.tensors:
         if t.kind == "buffer":
-            module[t.name] = buffers[t.name]
+            module[t.name] = reader.whole(t)
         else:
             module[t.name] = torch.empty(0, dtype=dtype if t.kind == "param" else getattr(torch, t.dtype))
     for alias, canonical in plan.aliases.items():
@@ -381,47 +365,46 @@ def _zero3_module(reader: _Reader, plan: CheckpointPlan, buffers: dict) -> Order
     return module
 
 
-def _zero3_frozen(reader: _Reader, plan: CheckpointPlan, world: int, rank: int) -> OrderedDict:
+def _zero3_frozen(reader: _Sources, plan: CheckpointPlan, world: int, rank: int) -> OrderedDict:
     """Each frozen parameter's ``ds_tensor`` on rank ``rank``: its ``ceil(numel / world)`` piece, zero-padded."""
     out = OrderedDict()
     for t in plan.tensors:
         if t.kind == "frozen":
             part = math.ceil(t.numel / world)
-            piece = torch.zeros(part, dtype=getattr(torch, t.dtype))
             count = max(0, min(part, t.numel - rank * part))
-            if count:
-                reader.fill([(t, rank * part, count, piece, 0)])
-            out[t.name] = piece
+            segments = [(0, count, t, rank * part)] if count else []
+            out[t.name] = LazyTensor(reader.lazy(getattr(torch, t.dtype), part, segments), (part,))
     return out
 
 
-def _write_zero3(reader: _Reader, plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpeedLayout,
-                 tag_dir: Path, result: DeepSpeedResult, root: Path) -> None:
-    params = plan.trainable()
-    buffers = {t.name: _read_whole(reader, t) for t in plan.tensors if t.kind == "buffer"}
-    module = _zero3_module(reader, plan, buffers)
+def _zero3_files(reader: _Sources, plan: CheckpointPlan, target: DeepSpeedTarget,
+                 layout: DeepSpeedLayout) -> list[tuple[str, dict]]:
+    params = list(plan.trainable())
+    module = _zero3_module(reader, plan)
     scalars = _scalar_values(reader, plan)
     loss_scaler, dynamic = _loss_scaler(plan)
+    files = []
     for r in range(target.world_size):
         frozen = _zero3_frozen(reader, plan, target.world_size, r)
-        _save(_model_states(plan, target, layout, module, frozen, r), tag_dir / model_file_name(3, r), result,
-              root)
-        fp32 = [_flat_partition(reader, flat, r, list(params)) for flat in layout.flat_groups]
-        moments = [{key: _flat_partition(reader, flat, r, [t.state_tensor(key) for t in params])
-                    for key in plan.training.state_keys} for flat in layout.flat_groups]
+        files.append((model_file_name(3, r), _model_states(plan, target, layout, module, frozen, r)))
+        fp32 = [LazyTensor(reader.partition(flat, r, params), (flat.partition_numel,)) for flat in layout.flat_groups]
+        moments = [{key: LazyTensor(reader.partition(flat, r, [t.state_tensor(key) for t in params]),
+                                    (flat.partition_numel,)) for key in plan.training.state_keys}
+                   for flat in layout.flat_groups]
         osd = {"zero_stage": dsp.zero_stage_enum(3), "loss_scaler": loss_scaler, "dynamic_loss_scale": dynamic,
                "overflow": False, "partition_count": target.world_size,
                "optimizer_state_dict": _base_optimizer_state(plan, layout, scalars, moments),
                "fp32_flat_groups": fp32}
-        _save({"optimizer_state_dict": osd, "ds_config": _ds_config(plan, target), "ds_version": DS_VERSION},
-              tag_dir / optim_file_name(plan, r), result, root)
+        files.append((optim_file_name(plan, r), {"optimizer_state_dict": osd, "ds_config": _ds_config(plan, target),
+                                                 "ds_version": DS_VERSION}))
+    return files
 
 
 def write_deepspeed_checkpoint(plan: CheckpointPlan, save_dir: Path, target: DeepSpeedTarget, *,
                                tag: str | None = None, workers: int = 4,
                                progress: Callable[[int], None] = lambda n: None) -> DeepSpeedResult:
     """Write ``save_dir/<tag>/`` and ``save_dir/latest`` for ``target``; ``save_dir`` should be a fresh (staging)
-    folder."""
+    folder. Files are written by ``workers`` threads, each streaming one file at a time in bounded chunks."""
     check_plan(plan)
     tag = tag or plan.tag
     spec.check_tag(tag)
@@ -430,13 +413,36 @@ def write_deepspeed_checkpoint(plan: CheckpointPlan, save_dir: Path, target: Dee
     tag_dir = save_dir / tag
     tag_dir.mkdir(parents=True)
     result = DeepSpeedResult(tag=tag)
-    reader = _Reader(workers, progress)
+    reader = _Sources(progress)
     try:
-        write = _write_zero3 if target.stage == 3 else _write_zero12
-        write(reader, plan, target, layout, tag_dir, result, save_dir)
+        files = (_zero3_files if target.stage == 3 else _zero12_files)(reader, plan, target, layout)
+        # the largest files first, so that the pool's threads finish together
+        files.sort(key=lambda item: -_payload_bytes(item[1]))
+        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(files))),
+                                thread_name_prefix="zckpt-ds") as pool:
+            sizes = list(pool.map(lambda item: save_torch_file(item[1], tag_dir / item[0]), files))
     finally:
         reader.close()
+    result.files.update((f"{tag}/{name}", size) for (name, _), size in zip(files, sizes))
     spec.fsync_path(tag_dir)
     (save_dir / "latest").write_text(tag)  # DeepSpeed's own: the tag, no newline (outdir fsyncs it)
     result.files["latest"] = len(tag.encode())
     return result
+
+
+def _payload_bytes(obj: Any) -> int:
+    """Bytes of the lazily built tensors in ``obj`` (each storage once), to order the files."""
+    seen: dict[int, int] = {}
+
+    def walk(x: Any) -> None:
+        if isinstance(x, LazyTensor):
+            seen[id(x.storage)] = x.storage.nbytes
+        elif isinstance(x, dict):
+            for v in x.values():
+                walk(v)
+        elif isinstance(x, (list, tuple)):
+            for v in x:
+                walk(v)
+
+    walk(obj)
+    return sum(seen.values())

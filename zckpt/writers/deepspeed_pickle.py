@@ -51,7 +51,7 @@ def zero_stage_enum(stage: int) -> Any:
     return _Enum(ZERO_STAGE_ENUM, stage)
 
 
-class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be taught names
+class Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can be taught names
     def save_global(self, obj, name=None):
         ref = getattr(obj, "_deepspeed_global", None) if isinstance(obj, type) else None
         if ref is None:
@@ -60,7 +60,7 @@ class _Pickler(pickle._Pickler):  # the pure-Python pickler: its save_global can
         self.memoize(obj)
 
 
-_PICKLE_MODULE = types.SimpleNamespace(Pickler=_Pickler, __name__="zckpt_deepspeed_pickle")
+_PICKLE_MODULE = types.SimpleNamespace(Pickler=Pickler, __name__="zckpt_deepspeed_pickle")
 
 
 def save(obj: Any, path) -> None:

@@ -1,0 +1,217 @@
+"""Streaming writer of ``torch.save``'s file format, for files whose tensors are assembled from a plan on the fly.
+
+A ``torch.save`` file is a zip archive of stored (uncompressed) records under ``<archive>/``: ``data.pkl`` (the
+pickled object; each tensor is ``torch._utils._rebuild_tensor_v2(<storage>, offset, shape, stride, False,
+OrderedDict())`` and each storage a persistent id ``("storage", torch.<Type>Storage, key, "cpu", numel)``),
+``.format_version``, ``.storage_alignment``, ``byteorder``, one ``data/<key>`` record per storage (its raw bytes,
+64-byte aligned), ``version`` and ``.data/serialization_id``. Zip64 fields are written where sizes or offsets need
+them.
+
+Storages are either real tensors' (written from memory) or :class:`LazyStorage` s, whose bytes a callable produces
+chunk by chunk: the file is written sequentially with one chunk buffer, CRC-32 computed as it goes and patched into
+the local header afterwards, so memory stays bounded whatever the tensor sizes. ``torch.load`` (DeepSpeed's loader)
+and zckpt's restricted reader read the result like any ``torch.save`` output. Pickling goes through
+:mod:`.deepspeed_pickle`'s pickler, which also writes DeepSpeed's class references.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import os
+import struct
+import zlib
+from collections import OrderedDict
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from .deepspeed_pickle import Pickler
+
+ALIGNMENT = 64
+_U32 = 0xFFFFFFFF  # the "see the zip64 extra field" marker
+#: sizes and offsets from this value on go to zip64 fields (a module attribute so tests can exercise them)
+ZIP64_LIMIT = _U32
+_DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
+
+
+@dataclass(eq=False)
+class LazyStorage:
+    """``numel`` elements of ``dtype``; ``fill(start, out)`` writes elements ``[start, start + out.numel())``."""
+
+    dtype: torch.dtype
+    numel: int
+    fill: Callable[[int, torch.Tensor], None]
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+
+
+@dataclass(eq=False)
+class LazyTensor:
+    """A contiguous tensor of ``shape`` at element ``offset`` of ``storage``; pickles as torch pickles a tensor."""
+
+    storage: LazyStorage
+    shape: tuple[int, ...]
+    offset: int = 0
+
+    def __reduce_ex__(self, protocol):
+        stride, step = [], 1
+        for size in reversed(self.shape):
+            stride.insert(0, step)
+            step *= size
+        return torch._utils._rebuild_tensor_v2, (self.storage, self.offset, torch.Size(self.shape), tuple(stride),
+                                                 False, OrderedDict())
+
+
+def bytes_of(t: torch.Tensor) -> memoryview:
+    """A writable byte view of a contiguous CPU tensor's elements (no copy; valid while ``t`` lives)."""
+    nbytes = t.numel() * t.element_size()
+    if not nbytes:
+        return memoryview(bytearray())
+    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+
+
+def _storage_type(dtype: torch.dtype):
+    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+
+
+class _TorchPickler(Pickler):
+    """Collects every storage (real or lazy) under a key, as ``torch.save``'s ``persistent_id`` does."""
+
+    def __init__(self, file, storages: dict[str, Any]):
+        super().__init__(file, protocol=2)
+        self.storages, self._keys = storages, {}
+
+    def persistent_id(self, obj):
+        if isinstance(obj, LazyStorage):
+            key = self._keys.setdefault(id(obj), str(len(self._keys)))
+            self.storages[key] = obj
+            return "storage", _storage_type(obj.dtype), key, "cpu", obj.numel
+        if isinstance(obj, torch.storage.TypedStorage):
+            untyped = obj._untyped_storage
+            key = self._keys.setdefault(untyped._cdata, str(len(self._keys)))
+            self.storages[key] = untyped
+            return "storage", _storage_type(obj.dtype), key, "cpu", obj._size()
+        return None
+
+
+@dataclass
+class _Entry:
+    name: bytes
+    offset: int
+    size: int
+    crc: int = 0
+
+
+class _ZipWriter:
+    def __init__(self, path: Path):
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+        self.pos, self.entries = 0, []
+
+    def _write(self, data) -> None:
+        view = memoryview(data).cast("B")
+        done = 0
+        while done < len(view):
+            done += os.write(self.fd, view[done:])
+        self.pos += len(view)
+
+    def begin(self, name: str, size: int) -> _Entry:
+        """Local header (CRC patched by :meth:`end`), padded so that the data starts 64-byte aligned."""
+        entry = _Entry(name.encode(), self.pos, size)
+        zip64 = size >= ZIP64_LIMIT
+        extra = struct.pack("<HHQQ", 1, 16, size, size) if zip64 else b""
+        start = self.pos + 30 + len(entry.name) + len(extra) + 4
+        pad = -start % ALIGNMENT
+        extra += struct.pack("<2sH", b"FB", pad) + b"Z" * pad
+        sizes = _U32 if zip64 else size
+        self._write(struct.pack("<IHHHHHIIIHH", 0x04034B50, 45 if zip64 else 20, 0x0800, 0, 0, _DOS_DATE, 0,
+                                sizes, sizes, len(entry.name), len(extra)) + entry.name + extra)
+        return entry
+
+    def end(self, entry: _Entry, crc: int) -> None:
+        entry.crc = crc
+        os.pwrite(self.fd, struct.pack("<I", crc), entry.offset + 14)
+        self.entries.append(entry)
+
+    def record(self, name: str, data: bytes) -> None:
+        entry = self.begin(name, len(data))
+        self._write(data)
+        self.end(entry, zlib.crc32(data))
+
+    def close(self) -> int:
+        """Central directory and end records; fsync; the file's size."""
+        try:
+            cd_start = self.pos
+            for e in self.entries:
+                big_size, big_offset = e.size >= ZIP64_LIMIT, e.offset >= ZIP64_LIMIT
+                fields = ([e.size, e.size] if big_size else []) + ([e.offset] if big_offset else [])
+                extra = struct.pack(f"<HH{len(fields)}Q", 1, 8 * len(fields), *fields) if fields else b""
+                sizes = _U32 if big_size else e.size
+                version = 45 if fields else 20
+                self._write(struct.pack("<IHHHHHHIIIHHHHHII", 0x02014B50, version, version, 0x0800, 0, 0, _DOS_DATE,
+                                        e.crc, sizes, sizes, len(e.name), len(extra), 0, 0, 0, 0,
+                                        _U32 if big_offset else e.offset) + e.name + extra)
+            cd_size, count = self.pos - cd_start, len(self.entries)
+            big = cd_start >= ZIP64_LIMIT or cd_size >= ZIP64_LIMIT or count >= 0xFFFF
+            if big:
+                eocd64 = self.pos
+                self._write(struct.pack("<IQHHIIQQQQ", 0x06064B50, 44, 45, 45, 0, 0, count, count, cd_size, cd_start))
+                self._write(struct.pack("<IIQI", 0x07064B50, 0, eocd64, 1))
+            self._write(struct.pack("<IHHHHIIH", 0x06054B50, 0, 0, 0xFFFF if big else count, 0xFFFF if big else count,
+                                    _U32 if big else cd_size, _U32 if big else cd_start, 0))
+            os.fsync(self.fd)
+        finally:
+            os.close(self.fd)
+        return self.pos
+
+
+def _write_storage(zf: _ZipWriter, name: str, storage: Any, chunk_bytes: int,
+                   progress: Callable[[int], None]) -> None:
+    if not isinstance(storage, LazyStorage):  # a real tensor's storage, in memory
+        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
+        data = bytes_of(whole)
+        entry = zf.begin(name, len(data))
+        zf._write(data)
+        zf.end(entry, zlib.crc32(data))
+        return
+    itemsize = torch.empty((), dtype=storage.dtype).element_size()
+    per_chunk = max(1, chunk_bytes // itemsize)
+    buf = torch.empty(min(per_chunk, storage.numel), dtype=storage.dtype)
+    entry, crc = zf.begin(name, storage.nbytes), 0
+    for start in range(0, storage.numel, per_chunk):
+        out = buf[:min(per_chunk, storage.numel - start)]
+        storage.fill(start, out)
+        data = bytes_of(out)
+        crc = zlib.crc32(data, crc)
+        zf._write(data)
+        progress(len(data))
+    zf.end(entry, crc)
+
+
+def save(obj: Any, path: Path, *, chunk_bytes: int = 16 * 2**20,
+         progress: Callable[[int], None] = lambda n: None) -> int:
+    """Write ``obj`` to ``path`` (a new file) in ``torch.save``'s format, fsynced; the file's size."""
+    import io
+
+    path = Path(path)
+    storages: dict[str, Any] = {}
+    pickled = io.BytesIO()
+    _TorchPickler(pickled, storages).dump(obj)
+    archive = path.name.split(".")[0] or "archive"
+    zf = _ZipWriter(path)
+    try:
+        zf.record(f"{archive}/data.pkl", pickled.getvalue())
+        zf.record(f"{archive}/.format_version", b"1")
+        zf.record(f"{archive}/.storage_alignment", str(ALIGNMENT).encode())
+        zf.record(f"{archive}/byteorder", b"little")
+        for key, storage in storages.items():
+            _write_storage(zf, f"{archive}/data/{key}", storage, chunk_bytes, progress)
+        zf.record(f"{archive}/version", b"3\n")
+        zf.record(f"{archive}/.data/serialization_id", str(int.from_bytes(os.urandom(16), "big")).encode())
+    except BaseException:
+        os.close(zf.fd)
+        raise
+    return zf.close()
