@@ -116,6 +116,8 @@ class _ZipWriter:
         done = 0
         while done < len(view):
             done += os.write(self.fd, view[done:])
+        if hasattr(os, "posix_fadvise") and len(view) >= 2**20:  # written once, not read back: spare the cache
+            os.posix_fadvise(self.fd, self.pos, len(view), os.POSIX_FADV_DONTNEED)
         self.pos += len(view)
 
     def begin(self, name: str, size: int) -> _Entry:
