@@ -72,7 +72,7 @@ class DeepSpeedTarget:
 @dataclass
 class DeepSpeedResult:
     tag: str
-    files: dict[str, int] = field(default_factory=dict)  # relative path -> size
+    files: dict[str, int] = field(default_factory=dict)  # file name in the tag folder -> size
 
 
 def resolve_deepspeed_target(plan: CheckpointPlan, world_size: int, stage: int | None, zero: dict) -> DeepSpeedTarget:
@@ -423,10 +423,9 @@ def write_deepspeed_checkpoint(plan: CheckpointPlan, save_dir: Path, target: Dee
             sizes = list(pool.map(lambda item: save_torch_file(item[1], tag_dir / item[0]), files))
     finally:
         reader.close()
-    result.files.update((f"{tag}/{name}", size) for (name, _), size in zip(files, sizes))
+    result.files.update((name, size) for (name, _), size in zip(files, sizes))
     spec.fsync_path(tag_dir)
     (save_dir / "latest").write_text(tag)  # DeepSpeed's own: the tag, no newline (outdir fsyncs it)
-    result.files["latest"] = len(tag.encode())
     return result
 
 
