@@ -1,6 +1,8 @@
 """``zckpt reshard``: a checkpoint's full training state, laid out for another world size (and ZeRO stage).
 
-Reader -> plan -> :mod:`zckpt.writers.engine_native`. The output is an engine-native save dir (``OUT/<tag>/``,
+Reader -> plan -> a writer chosen by ``format``: :mod:`zckpt.writers.engine_native` (default) or
+:mod:`zckpt.writers.deepspeed_native` (a plain DeepSpeed ZeRO save dir that DeepSpeed's ``load_checkpoint`` resumes
+at the new world size). The engine output is an engine-native save dir (``OUT/<tag>/``,
 ``OUT/latest``, config and tokenizer files copied) that ``engine.load_checkpoint`` resumes at the new world size
 with fp32 masters, every optimizer state tensor, scheduler, loss scaler and counters. Same rules as consolidate:
 everything validated before the first byte, written into a staging folder, fsynced, renamed into place.

@@ -95,7 +95,8 @@ def consolidate(
 
 @app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
                     "  zckpt reshard out/checkpoint-500 resume-ws4/ --world-size 4 --stage 3\n"
-                    "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json")
+                    "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json\n"
+                    "  zckpt reshard ckpts/ ds-ws4/ --world-size 4 --format deepspeed")
 def reshard(
     src: SrcArg,
     out: _out_arg("Output save dir"),
@@ -119,7 +120,8 @@ def reshard(
     as_json: JsonOpt = False,
 ) -> None:
     """Lay a checkpoint's full training state out for another world size (and ZeRO stage): an engine checkpoint
-    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters)."""
+    that engine.load_checkpoint resumes at --world-size ranks (fp32 masters, optimizer state, scheduler, counters),
+    or with --format deepspeed a plain DeepSpeed ZeRO checkpoint that DeepSpeed's load_checkpoint resumes."""
     from ..reshard import reshard as run
 
     result = run(src, out, world_size=world_size, stage=stage, reduce_bucket_size=reduce_bucket_size,
