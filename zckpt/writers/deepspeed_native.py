@@ -20,7 +20,7 @@ flattens them when the optimizer's param groups list the parameters as ``model.n
 ``model.parameters()``, HF Trainer's decay/no-decay groups).
 
 Files are streamed (:mod:`.torch_zip`: ``torch.save``'s format, tensors assembled chunk by chunk from the source
-while written, CRC-32 as it goes) by a few threads, one file each; memory is one 16 MiB chunk per thread, whatever
+while written, CRC-32 as it goes) by a few threads, one file each; memory is two 4 MiB chunks per thread, whatever
 the model size. Each file is fsynced.
 """
 
@@ -43,7 +43,7 @@ from ..assemble import FileCache, read_range
 from ..errors import InvalidArgumentError, UnsupportedCheckpointError
 from ..plan import DTYPE_SIZES, CheckpointPlan, TensorPlan
 from . import deepspeed_pickle as dsp
-from .torch_zip import LazyStorage, LazyTensor, bytes_of
+from .torch_zip import LazyStorage, LazyTensor, bytes_of, scratch
 from .torch_zip import save as save_torch_file
 from .deepspeed_layout import DEFAULT_SUB_GROUP_SIZE, DeepSpeedLayout, FlatGroup, deepspeed_layout
 from .engine_native import require_training_state
@@ -143,7 +143,8 @@ class _Sources:
         if src.dtype == str(out.dtype).removeprefix("torch."):
             read_range(src, self.files, start, out.numel(), bytes_of(out))
         else:  # e.g. the bf16 module from the fp32 masters: torch's cast rounds to nearest even, as DeepSpeed's
-            tmp = torch.empty(out.numel(), dtype=getattr(torch, src.dtype))
+            tmp = scratch(out.numel() * DTYPE_SIZES[src.dtype], "convert")
+            tmp = tmp[:out.numel() * DTYPE_SIZES[src.dtype]].view(getattr(torch, src.dtype))
             read_range(src, self.files, start, out.numel(), bytes_of(tmp))
             out.copy_(tmp)
         self.progress(out.numel() * DTYPE_SIZES[src.dtype])
@@ -418,9 +419,10 @@ def write_deepspeed_checkpoint(plan: CheckpointPlan, save_dir: Path, target: Dee
         files = (_zero3_files if target.stage == 3 else _zero12_files)(reader, plan, target, layout)
         # the largest files first, so that the pool's threads finish together
         files.sort(key=lambda item: -_payload_bytes(item[1]))
-        with ThreadPoolExecutor(max_workers=max(1, min(workers, len(files))),
-                                thread_name_prefix="zckpt-ds") as pool:
-            sizes = list(pool.map(lambda item: save_torch_file(item[1], tag_dir / item[0]), files))
+        writers = max(1, min(workers, len(files)))
+        with ThreadPoolExecutor(max_workers=writers, thread_name_prefix="zckpt-ds") as pool, \
+                ThreadPoolExecutor(max_workers=writers, thread_name_prefix="zckpt-ds-fill") as fill_pool:
+            sizes = list(pool.map(lambda item: save_torch_file(item[1], tag_dir / item[0], pool=fill_pool), files))
     finally:
         reader.close()
     result.files.update((name, size) for (name, _), size in zip(files, sizes))
