@@ -26,6 +26,7 @@ the model size. Each file is fsynced.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import math
 import os
@@ -152,13 +153,14 @@ class _Sources:
     def lazy(self, dtype: torch.dtype, numel: int, segments: list[Segment]) -> LazyStorage:
         """A storage of ``numel`` elements: ``segments`` read from the source, zeros elsewhere."""
         segments = sorted(segments, key=lambda seg: seg[0])
+        ends = [dest + count for dest, count, _, _ in segments]
 
         def fill(start: int, out: torch.Tensor) -> None:
             end, pos = start + out.numel(), start
-            for dest, count, src, src_start in segments:
+            for dest, count, src, src_start in segments[bisect.bisect_right(ends, start):]:
+                if dest >= end:
+                    break
                 lo, hi = max(dest, start), min(dest + count, end)
-                if lo >= hi:
-                    continue
                 out[pos - start:lo - start].zero_()
                 self._read(src, src_start + lo - dest, out[lo - start:hi - start])
                 pos = hi
