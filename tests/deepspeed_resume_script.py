@@ -23,7 +23,7 @@ MODEL_KWARGS = dict(hidden_size=32, intermediate_size=56, num_hidden_layers=2, n
                     num_key_value_heads=2, vocab_size=100, max_position_embeddings=64, tie_word_embeddings=True)
 
 
-def ds_config(stage: int, dtype: str, world: int) -> dict:
+def ds_config(stage: int, dtype: str, world: int, grad_accum_fp32: bool = False) -> dict:
     config = {
         "train_micro_batch_size_per_gpu": GLOBAL_BATCH // world,
         "gradient_accumulation_steps": 1,
@@ -37,6 +37,8 @@ def ds_config(stage: int, dtype: str, world: int) -> dict:
     }
     if dtype == "bf16":
         config["bf16"] = {"enabled": True}
+    if grad_accum_fp32:  # bf16 + ZeRO-1 + fp32 gradient accumulation: DeepSpeed picks its BF16_Optimizer
+        config["data_types"] = {"grad_accum_dtype": "fp32"}
     return config
 
 
@@ -49,6 +51,7 @@ def main() -> None:
     parser.add_argument("--save-at", type=int, help="save after this many steps of this process")
     parser.add_argument("--load", help="resume from this save dir (plain load_checkpoint)")
     parser.add_argument("--out", required=True, help="JSON with the global losses (rank 0)")
+    parser.add_argument("--grad-accum-fp32", action="store_true", help="data_types.grad_accum_dtype fp32")
     args = parser.parse_args()
 
     import deepspeed
@@ -66,7 +69,7 @@ def main() -> None:
     groups = [{"params": [p for _, p in params if p.ndim >= 2], "weight_decay": 0.01},
               {"params": [p for _, p in params if p.ndim < 2], "weight_decay": 0.0}]
     engine, _, _, _ = deepspeed.initialize(model=model, model_parameters=groups,
-                                           config=ds_config(args.stage, args.dtype, world))
+                                           config=ds_config(args.stage, args.dtype, world, args.grad_accum_fp32))
     first = 0
     if args.load:
         path, _ = engine.load_checkpoint(args.load)
@@ -89,7 +92,8 @@ def main() -> None:
     if rank == 0:
         with open(args.out, "w") as f:
             json.dump({"losses": losses, "first_step": first, "global_steps": engine.global_steps,
-                       "lr": [g["lr"] for g in engine.optimizer.param_groups]}, f)
+                       "lr": [g["lr"] for g in engine.optimizer.param_groups],
+                       "optimizer": type(engine.optimizer).__name__}, f)
     torch.distributed.barrier()
     exit_without_finalizing()
 

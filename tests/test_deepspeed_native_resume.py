@@ -108,3 +108,20 @@ def test_same_world_size_equals_fresh_deepspeed_files(tmp_path, source_runs, sta
         masks = stage3_padding_masks(layout_of(plan, DeepSpeedTarget(world_size=2, stage=3)),
                                      lambda r: optim_file_name(plan, r))
     assert compare_tag_dirs(tmp_path / "out" / "global_step3", src / "global_step3", masks) == []
+
+
+def test_bf16_optimizer_loads_our_zero1_files(tmp_path, source_runs):
+    """bf16 + ZeRO-1 + fp32 gradient accumulation makes DeepSpeed use its BF16_Optimizer, whose load reads the same
+    keys (base_optimizer_state, single_partition_of_fp32_groups, clip_grad) with the same partition math. The step-4
+    loss only depends on the loaded weights: equal to the continued run's; step 5 also accumulates gradients in fp32
+    where the source run accumulated in bf16, so it may differ by more than reduction noise (bound 1e-3)."""
+    from zckpt.reshard import reshard
+
+    src, continued = source_runs(2, "bf16")
+    reshard(src, tmp_path / "out", world_size=3, stage=1, format="deepspeed")
+    resumed = _torchrun(3, tmp_path / "resumed.json", "--stage", "1", "--dtype", "bf16", "--steps", "2",
+                        "--load", str(tmp_path / "out"), "--grad-accum-fp32")
+    print(f"BF16_Optimizer resume: {resumed['losses']} vs {continued[3:]}")
+    assert resumed["optimizer"] == "BF16_Optimizer" and resumed["first_step"] == 3
+    assert abs(resumed["losses"][0] - continued[3]) <= TOLERANCE["bf16"]
+    assert abs(resumed["losses"][1] - continued[4]) <= 1e-3
