@@ -135,17 +135,25 @@ def test_engine_source_gives_deepspeeds_own_files(tmp_path, name):
 def test_streamed_files_are_valid_torch_zips(tmp_path, monkeypatch, zip64):
     """Our streamed torch.save files pass zipfile's CRC check and read back with torch's own loader (weights-only
     objects), also with zip64 size/offset fields (forced here with a tiny limit)."""
+    import struct
     import zipfile
 
     from zckpt.writers import torch_zip
+    from zckpt.writers.deepspeed_native import _scalar
 
     if zip64:
         monkeypatch.setattr(torch_zip, "ZIP64_LIMIT", 100)
     base = torch.arange(300, dtype=torch.float32)
-    lazy = torch_zip.LazyStorage(torch.bfloat16, 1000, lambda start, out: out.copy_(
-        torch.arange(start, start + out.numel(), dtype=torch.float32)))
-    obj = {"real": base, "view": base[10:20].view(2, 5), "lazy": torch_zip.LazyTensor(lazy, (10, 50), 500),
-           "scalar": torch.tensor(3.0), "empty": torch.empty(0, dtype=torch.bfloat16)}
+    real = torch_zip.constant_storage("float32", base.numpy().tobytes())
+
+    def fill(start, out):  # bf16 bytes of the numbers start, start + 1, ...
+        n = len(out) // 2
+        out[:] = torch.arange(start, start + n, dtype=torch.float32).to(torch.bfloat16).view(torch.uint8).numpy()
+
+    lazy = torch_zip.LazyStorage("bfloat16", 1000, fill)
+    obj = {"real": torch_zip.LazyTensor(real, (300,)), "view": torch_zip.LazyTensor(real, (2, 5), 10),
+           "lazy": torch_zip.LazyTensor(lazy, (10, 50), 500), "scalar": _scalar("float32", 3.0),
+           "empty": torch_zip.LazyTensor(torch_zip.constant_storage("bfloat16", b""), (0,))}
     size = torch_zip.save(obj, tmp_path / "x.pt", chunk_bytes=64)
     assert size == (tmp_path / "x.pt").stat().st_size
     with zipfile.ZipFile(tmp_path / "x.pt") as zf:
@@ -155,4 +163,6 @@ def test_streamed_files_are_valid_torch_zips(tmp_path, monkeypatch, zip64):
     assert torch.equal(back["real"], base) and torch.equal(back["view"], base[10:20].view(2, 5))
     assert back["view"].untyped_storage().data_ptr() == back["real"].untyped_storage().data_ptr()
     assert torch.equal(back["lazy"], torch.arange(500, 1000, dtype=torch.float32).to(torch.bfloat16).view(10, 50))
-    assert back["scalar"].item() == 3.0 and back["empty"].dtype == torch.bfloat16
+    assert back["scalar"].shape == () and back["scalar"].item() == 3.0
+    assert back["empty"].dtype == torch.bfloat16 and back["empty"].shape == (0,)
+    assert struct.unpack("<f", bytes(back["scalar"].untyped_storage()))[0] == 3.0

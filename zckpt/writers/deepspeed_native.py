@@ -30,13 +30,12 @@ import bisect
 import copy
 import math
 import os
+import struct
 from collections import OrderedDict
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
-
-import torch
 
 from engine import checkpoint_format as spec
 
@@ -44,7 +43,7 @@ from ..assemble import FileCache, read_range
 from ..errors import InvalidArgumentError, UnsupportedCheckpointError
 from ..plan import DTYPE_SIZES, CheckpointPlan, TensorPlan
 from . import deepspeed_pickle as dsp
-from .torch_zip import LazyStorage, LazyTensor, bytes_of, scratch
+from .torch_zip import LazyStorage, LazyTensor, constant_storage, scratch
 from .torch_zip import save as save_torch_file
 from .deepspeed_layout import DEFAULT_SUB_GROUP_SIZE, DeepSpeedLayout, FlatGroup, deepspeed_layout
 from .engine_native import require_training_state
@@ -140,41 +139,89 @@ class _Sources:
     def close(self) -> None:
         self.files.close()
 
-    def _read(self, src: TensorPlan, start: int, out: torch.Tensor) -> None:
-        if src.dtype == str(out.dtype).removeprefix("torch."):
-            read_range(src, self.files, start, out.numel(), bytes_of(out))
-        else:  # e.g. the bf16 module from the fp32 masters: torch's cast rounds to nearest even, as DeepSpeed's
-            tmp = scratch(out.numel() * DTYPE_SIZES[src.dtype], "convert")
-            tmp = tmp[:out.numel() * DTYPE_SIZES[src.dtype]].view(getattr(torch, src.dtype))
-            read_range(src, self.files, start, out.numel(), bytes_of(tmp))
-            out.copy_(tmp)
-        self.progress(out.numel() * DTYPE_SIZES[src.dtype])
+    def _read(self, src: TensorPlan, start: int, count: int, out: memoryview, dtype: str) -> None:
+        """Elements ``[start, start + count)`` of ``src`` into ``out`` at ``dtype``."""
+        if src.dtype == dtype:
+            read_range(src, self.files, start, count, out)
+        else:
+            tmp = scratch(count * DTYPE_SIZES[src.dtype], "convert")
+            read_range(src, self.files, start, count, tmp)
+            _cast(tmp, src.dtype, out, dtype)
+        self.progress(count * DTYPE_SIZES[src.dtype])
 
-    def lazy(self, dtype: torch.dtype, numel: int, segments: list[Segment]) -> LazyStorage:
+    def lazy(self, dtype: str, numel: int, segments: list[Segment]) -> LazyStorage:
         """A storage of ``numel`` elements: ``segments`` read from the source, zeros elsewhere."""
         segments = sorted(segments, key=lambda seg: seg[0])
         ends = [dest + count for dest, count, _, _ in segments]
+        size = DTYPE_SIZES[dtype]
 
-        def fill(start: int, out: torch.Tensor) -> None:
-            end, pos = start + out.numel(), start
+        def fill(start: int, out: memoryview) -> None:
+            end, pos = start + len(out) // size, start
             for dest, count, src, src_start in segments[bisect.bisect_right(ends, start):]:
                 if dest >= end:
                     break
                 lo, hi = max(dest, start), min(dest + count, end)
-                out[pos - start:lo - start].zero_()
-                self._read(src, src_start + lo - dest, out[lo - start:hi - start])
+                _zero(out[(pos - start) * size:(lo - start) * size])
+                self._read(src, src_start + lo - dest, hi - lo, out[(lo - start) * size:(hi - start) * size], dtype)
                 pos = hi
-            out[pos - start:].zero_()
+            _zero(out[(pos - start) * size:])
 
         return LazyStorage(dtype, numel, fill)
 
     def whole(self, t: TensorPlan) -> LazyTensor:
-        return LazyTensor(self.lazy(getattr(torch, t.dtype), t.numel, [(0, t.numel, t, 0)]), t.shape)
+        return LazyTensor(self.lazy(t.dtype, t.numel, [(0, t.numel, t, 0)]), t.shape)
 
     def partition(self, flat: FlatGroup, rank: int, sources: list[TensorPlan]) -> LazyStorage:
         """Rank ``rank``'s fp32 partition of ``flat``, ``sources[i]`` holding trainable parameter ``i``'s elements."""
-        return self.lazy(torch.float32, flat.partition_numel,
+        return self.lazy("float32", flat.partition_numel,
                          [(p.dest, p.count, sources[p.param], p.start) for p in flat.pieces[rank]])
+
+
+_STRUCT = {"float64": "<d", "float32": "<f", "float16": "<e", "int64": "<q", "int32": "<i", "int16": "<h",
+           "int8": "<b", "uint8": "<B", "bool": "<?"}
+
+
+def _unpack(dtype: str, raw: bytes) -> float | int | bool:
+    if dtype == "bfloat16":
+        return struct.unpack("<f", b"\0\0" + raw)[0]
+    return struct.unpack(_STRUCT[dtype], raw)[0]
+
+
+def _scalar(dtype: str, value) -> LazyTensor:
+    """A 0-dim tensor (e.g. Adam's ``step``)."""
+    if dtype == "bfloat16":
+        raw = _cast_bytes(struct.pack("<f", float(value)), "float32", "bfloat16")
+    else:
+        raw = struct.pack(_STRUCT[dtype], value)
+    return LazyTensor(constant_storage(dtype, raw), ())
+
+
+def _zero(view: memoryview) -> None:
+    if len(view):
+        view[:] = bytes(len(view))
+
+
+def _cast(src: memoryview, src_dtype: str, out: memoryview, dtype: str) -> None:
+    """``out[:] = src`` converted, e.g. the bf16 module from the fp32 masters. torch's cast (imported only for this)
+    rounds to nearest even, as DeepSpeed's own ``copy_`` from the fp32 partition does."""
+    if not len(src):
+        return
+    import torch
+
+    converted = torch.frombuffer(src, dtype=getattr(torch, src_dtype)).to(getattr(torch, dtype))
+    out[:] = _tensor_bytes(converted)
+
+
+def _tensor_bytes(t) -> memoryview:
+    import ctypes
+
+    return memoryview((ctypes.c_char * (t.numel() * t.element_size())).from_address(t.data_ptr())).cast("B")
+
+
+def _cast_bytes(raw: bytes, src_dtype: str, dtype: str) -> bytes:
+    out = bytearray(len(raw) // DTYPE_SIZES[src_dtype] * DTYPE_SIZES[dtype])
+    _cast(memoryview(bytearray(raw)), src_dtype, memoryview(out), dtype)
+    return bytes(out)
 
 
 # -- optimizer-state pieces --------------------------------------------------------------------------------------
@@ -189,7 +236,8 @@ def _loss_scaler(plan: CheckpointPlan) -> tuple[Any, bool]:
              "scale_window": int(state["scale_window"]), "min_scale": float(state["min_scale"]),
              "delayed_shift": int(state["hysteresis"]), "cur_hysteresis": int(state["cur_hysteresis"]),
              "consecutive_hysteresis": bool(state["consecutive_hysteresis"]),
-             "raise_error_at_min_scale": bool(state.get("raise_error_at_min_scale", True)), "dtype": torch.float16}
+             "raise_error_at_min_scale": bool(state.get("raise_error_at_min_scale", True)),
+             "dtype": dsp.global_ref("torch", "float16")}
     return dsp.deepspeed_object(dsp.DYNAMIC_LOSS_SCALER, attrs), True
 
 
@@ -203,29 +251,31 @@ def _hparams(plan: CheckpointPlan, g: int) -> tuple[dict, dict]:
         hp.setdefault("decoupled_weight_decay", plan.training.optimizer == "adamw")
     scalars = {}
     if "step" in hp and not any(s.name == "step" for s in plan.training.groups[g].scalars):
-        scalars["step"] = torch.tensor(float(hp.pop("step")), dtype=torch.float32)
+        scalars["step"] = _scalar("float32", float(hp.pop("step")))
     return hp, scalars
 
 
-def _scalar_values(reader: _Sources, plan: CheckpointPlan) -> list[dict[str, torch.Tensor]]:
+def _scalar_values(reader: _Sources, plan: CheckpointPlan) -> list[dict[str, tuple[str, float]]]:
+    """Each group's scalar state as ``(dtype, value)``; Adam's ``step`` as fp32, as torch keeps it."""
     out = []
     for g in range(len(plan.training.groups)):
         values = {}
         for s in plan.training.groups[g].scalars:
-            t = torch.zeros((), dtype=getattr(torch, s.dtype))
-            read_range(s, reader.files, 0, 1, bytes_of(t.reshape(1)))
-            values[s.name] = t.to(torch.float32) if s.name == "step" else t
+            raw = bytearray(DTYPE_SIZES[s.dtype])
+            read_range(s, reader.files, 0, 1, memoryview(raw))
+            value = _unpack(s.dtype, bytes(raw))
+            values[s.name] = ("float32", float(value)) if s.name == "step" else (s.dtype, value)
         out.append(values)
     return out
 
 
 def _base_optimizer_state(plan: CheckpointPlan, layout: DeepSpeedLayout, scalars: list[dict],
-                          moments: list[dict[str, torch.Tensor]]) -> dict:
+                          moments: list[dict[str, LazyTensor]]) -> dict:
     """Torch's ``optimizer.state_dict()`` over the flat groups (one torch parameter each, numbered in order)."""
     state, groups = {}, []
     for s, flat in enumerate(layout.flat_groups):
         hp, extra = _hparams(plan, flat.group)
-        state[s] = {**extra, **{k: v.clone() for k, v in scalars[flat.group].items()}, **moments[s]}
+        state[s] = {**extra, **{k: _scalar(*v) for k, v in scalars[flat.group].items()}, **moments[s]}
     for g in range(len(plan.training.groups)):
         hp, _ = _hparams(plan, g)
         groups.append({**hp, "params": [s for s, flat in enumerate(layout.flat_groups) if flat.group == g]})
@@ -271,9 +321,9 @@ def _model_states(plan: CheckpointPlan, target: DeepSpeedTarget, layout: DeepSpe
         module=module,
         buffer_names=[t.name for t in plan.tensors if t.kind == "buffer"],
         optimizer=None,
-        param_shapes=[OrderedDict((params[i].name, torch.Size(params[i].shape)) for i in flat.params)
+        param_shapes=[OrderedDict((params[i].name, dsp.torch_size(params[i].shape)) for i in flat.params)
                       for flat in layout.flat_groups],
-        frozen_param_shapes=OrderedDict((t.name, torch.Size(t.shape)) for t in frozen) if save_frozen else None,
+        frozen_param_shapes=OrderedDict((t.name, dsp.torch_size(t.shape)) for t in frozen) if save_frozen else None,
         shared_params=dict(plan.aliases) if rank == 0 else {},
         frozen_param_fragments=frozen_fragments if save_frozen else None,
         lr_scheduler=scheduler,
@@ -297,7 +347,7 @@ def _zero12_module(reader: _Sources, plan: CheckpointPlan, layout: DeepSpeedLayo
     """The ``module`` state dict at the training dtype: parameters as views of one flat buffer per group (as
     DeepSpeed's own are), cast from the fp32 masters while written; frozen parameters and buffers as stored."""
     params = plan.trainable()
-    dtype = getattr(torch, plan.train_dtype)
+    dtype = plan.train_dtype
     views = {}
     for flat in layout.flat_groups:
         segments, offset = [], 0
@@ -356,13 +406,13 @@ def _zero12_files(reader: _Sources, plan: CheckpointPlan, target: DeepSpeedTarge
 # -- stage 3 -----------------------------------------------------------------------------------------------------
 def _zero3_module(reader: _Sources, plan: CheckpointPlan) -> OrderedDict:
     """Stage 3's ``module``: parameters (trainable and frozen) as empty tensors at their dtype, buffers whole."""
-    dtype = getattr(torch, plan.train_dtype)
+    dtype = plan.train_dtype
     module = OrderedDict()
     for t in plan.tensors:
         if t.kind == "buffer":
             module[t.name] = reader.whole(t)
         else:
-            module[t.name] = torch.empty(0, dtype=dtype if t.kind == "param" else getattr(torch, t.dtype))
+            module[t.name] = LazyTensor(constant_storage(dtype if t.kind == "param" else t.dtype, b""), (0,))
     for alias, canonical in plan.aliases.items():
         module.setdefault(alias, module[canonical])
     return module
@@ -376,7 +426,7 @@ def _zero3_frozen(reader: _Sources, plan: CheckpointPlan, world: int, rank: int)
             part = math.ceil(t.numel / world)
             count = max(0, min(part, t.numel - rank * part))
             segments = [(0, count, t, rank * part)] if count else []
-            out[t.name] = LazyTensor(reader.lazy(getattr(torch, t.dtype), part, segments), (part,))
+            out[t.name] = LazyTensor(reader.lazy(t.dtype, part, segments), (part,))
     return out
 
 

@@ -7,16 +7,16 @@ OrderedDict())`` and each storage a persistent id ``("storage", torch.<Type>Stor
 64-byte aligned), ``version`` and ``.data/serialization_id``. Zip64 fields are written where sizes or offsets need
 them.
 
-Storages are either real tensors' (written from memory) or :class:`LazyStorage` s, whose bytes a callable produces
-chunk by chunk: the file is written sequentially with one chunk buffer, CRC-32 computed as it goes and patched into
-the local header afterwards, so memory stays bounded whatever the tensor sizes. ``torch.load`` (DeepSpeed's loader)
-and zckpt's restricted reader read the result like any ``torch.save`` output. Pickling goes through
-:mod:`.deepspeed_pickle`'s pickler, which also writes DeepSpeed's class references.
+Storages are :class:`LazyStorage` s, whose bytes a callable produces chunk by chunk (or small byte strings): the
+file is written sequentially, the next chunk produced while this one is written, CRC-32 computed as it goes and
+patched into the local header afterwards, so memory stays bounded whatever the tensor sizes. ``torch.load``
+(DeepSpeed's loader) and zckpt's restricted reader read the result like any ``torch.save`` output. No torch here:
+pickling goes through :mod:`.deepspeed_pickle`'s pickler, which names torch's and DeepSpeed's classes itself (the
+~1 s torch import is a quarter of a 340M-parameter reshard).
 """
 
 from __future__ import annotations
 
-import ctypes
 import io
 import os
 import struct
@@ -28,9 +28,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Callable
 
-import torch
-
-from .deepspeed_pickle import Pickler
+from ..plan import DTYPE_SIZES
+from .deepspeed_pickle import Pickler, global_ref, torch_size
 
 ALIGNMENT = 64
 #: bytes of a lazy storage produced per step (two such buffers per file being written)
@@ -41,19 +40,39 @@ _U32 = 0xFFFFFFFF  # the "see the zip64 extra field" marker
 #: sizes and offsets from this value on go to zip64 fields (a module attribute so tests can exercise them)
 ZIP64_LIMIT = _U32
 _DOS_DATE = (0 << 9) | (1 << 5) | 1  # 1980-01-01
+#: torch's legacy storage class per dtype (``torch.storage._dtype_to_storage_type_map``), as its pickles name them
+STORAGE_TYPES = {"float64": "DoubleStorage", "float32": "FloatStorage", "float16": "HalfStorage",
+                 "bfloat16": "BFloat16Storage", "int64": "LongStorage", "int32": "IntStorage",
+                 "int16": "ShortStorage", "int8": "CharStorage", "uint8": "ByteStorage", "bool": "BoolStorage"}
+_REBUILD_TENSOR = global_ref("torch._utils", "_rebuild_tensor_v2")
 
 
 @dataclass(eq=False)
 class LazyStorage:
-    """``numel`` elements of ``dtype``; ``fill(start, out)`` writes elements ``[start, start + out.numel())``."""
+    """``numel`` elements of ``dtype`` (a plan dtype name); ``fill(start, out)`` writes the bytes of elements
+    ``[start, start + n)`` into the writable byte view ``out`` (``n * itemsize`` bytes)."""
 
-    dtype: torch.dtype
+    dtype: str
     numel: int
-    fill: Callable[[int, torch.Tensor], None]
+    fill: Callable[[int, memoryview], None]
+
+    @property
+    def itemsize(self) -> int:
+        return DTYPE_SIZES[self.dtype]
 
     @property
     def nbytes(self) -> int:
-        return self.numel * torch.empty((), dtype=self.dtype).element_size()
+        return self.numel * self.itemsize
+
+
+def constant_storage(dtype: str, data: bytes) -> LazyStorage:
+    """A storage holding ``data`` (small: scalars, empty tensors)."""
+
+    def fill(start: int, out: memoryview) -> None:
+        lo = start * DTYPE_SIZES[dtype]
+        out[:] = data[lo:lo + len(out)]
+
+    return LazyStorage(dtype, len(data) // DTYPE_SIZES[dtype], fill)
 
 
 @dataclass(eq=False)
@@ -69,39 +88,27 @@ class LazyTensor:
         for size in reversed(self.shape):
             stride.insert(0, step)
             step *= size
-        return torch._utils._rebuild_tensor_v2, (self.storage, self.offset, torch.Size(self.shape), tuple(stride),
-                                                 False, OrderedDict())
-
-
-def bytes_of(t: torch.Tensor) -> memoryview:
-    """A writable byte view of a contiguous CPU tensor's elements (no copy; valid while ``t`` lives)."""
-    nbytes = t.numel() * t.element_size()
-    if not nbytes:
-        return memoryview(bytearray())
-    return memoryview((ctypes.c_char * nbytes).from_address(t.data_ptr())).cast("B")
+        return _REBUILD_TENSOR, (self.storage, self.offset, torch_size(self.shape), tuple(stride), False,
+                                 OrderedDict())
 
 
 _LOCAL = threading.local()
 
 
-def scratch(nbytes: int, slot: str) -> torch.Tensor:
-    """A uint8 buffer of at least ``nbytes``, kept per thread and ``slot`` and reused: no allocation (mmap, page
-    faults, munmap with its cross-CPU TLB shootdowns) per chunk."""
+def scratch(nbytes: int, slot: str) -> memoryview:
+    """A writable buffer of ``nbytes``, kept per thread and ``slot`` and reused: no allocation (mmap, page faults,
+    munmap with its cross-CPU TLB shootdowns) per chunk."""
     buffers = _LOCAL.__dict__.setdefault("buffers", {})
     buf = buffers.get(slot)
-    if buf is None or buf.numel() < nbytes:
-        buf = buffers[slot] = torch.empty(nbytes, dtype=torch.uint8)
-    return buf
-
-
-def _storage_type(dtype: torch.dtype):
-    return getattr(torch, torch.storage._dtype_to_storage_type_map()[dtype])
+    if buf is None or len(buf) < nbytes:
+        buf = buffers[slot] = bytearray(nbytes)
+    return memoryview(buf)[:nbytes]
 
 
 class _TorchPickler(Pickler):
-    """Collects every storage (real or lazy) under a key, as ``torch.save``'s ``persistent_id`` does."""
+    """Collects every storage under a key, as ``torch.save``'s ``persistent_id`` does."""
 
-    def __init__(self, file, storages: dict[str, Any]):
+    def __init__(self, file, storages: dict[str, LazyStorage]):
         super().__init__(file, protocol=2)
         self.storages, self._keys = storages, {}
 
@@ -109,12 +116,7 @@ class _TorchPickler(Pickler):
         if isinstance(obj, LazyStorage):
             key = self._keys.setdefault(id(obj), str(len(self._keys)))
             self.storages[key] = obj
-            return "storage", _storage_type(obj.dtype), key, "cpu", obj.numel
-        if isinstance(obj, torch.storage.TypedStorage):
-            untyped = obj._untyped_storage
-            key = self._keys.setdefault(untyped._cdata, str(len(self._keys)))
-            self.storages[key] = untyped
-            return "storage", _storage_type(obj.dtype), key, "cpu", obj._size()
+            return "storage", global_ref("torch", STORAGE_TYPES[obj.dtype]), key, "cpu", obj.numel
         return None
 
 
@@ -195,33 +197,26 @@ class _ZipWriter:
         return self.pos
 
 
-def _write_storage(zf: _ZipWriter, name: str, storage: Any, chunk_bytes: int, pool: ThreadPoolExecutor) -> None:
-    """One ``data/<key>`` record. A lazy storage is produced chunk by chunk, the next chunk filled on ``pool`` while
-    this one is checksummed and written (two chunk buffers)."""
-    if not isinstance(storage, LazyStorage):  # a real tensor's storage, in memory
-        whole = torch.empty(0, dtype=torch.uint8).set_(storage)
-        data = bytes_of(whole)
-        entry = zf.begin(name, len(data))
-        zf._write(data)
-        zf.end(entry, zlib.crc32(data))
-        return
-    itemsize = torch.empty((), dtype=storage.dtype).element_size()
+def _write_storage(zf: _ZipWriter, name: str, storage: LazyStorage, chunk_bytes: int,
+                   pool: ThreadPoolExecutor) -> None:
+    """One ``data/<key>`` record, produced chunk by chunk: the next chunk filled on ``pool`` while this one is
+    checksummed and written (two reused chunk buffers)."""
+    itemsize = storage.itemsize
     per_chunk = max(1, chunk_bytes // itemsize)
     nbytes = min(per_chunk, storage.numel) * itemsize
-    bufs = [scratch(nbytes, f"chunk{k}")[:nbytes].view(storage.dtype) for k in range(2)]
+    bufs = [scratch(nbytes, f"chunk{k}") for k in range(2)]
     starts = list(range(0, storage.numel, per_chunk))
 
-    def fill(i: int) -> torch.Tensor:
-        out = bufs[i % 2][:min(per_chunk, storage.numel - starts[i])]
+    def fill(i: int) -> memoryview:
+        out = bufs[i % 2][:min(per_chunk, storage.numel - starts[i]) * itemsize]
         storage.fill(starts[i], out)
         return out
 
     entry, crc = zf.begin(name, storage.nbytes), 0
     pending = pool.submit(fill, 0) if starts else None
     for i in range(len(starts)):
-        out = pending.result()
+        data = pending.result()
         pending = pool.submit(fill, i + 1) if i + 1 < len(starts) else None
-        data = bytes_of(out)
         crc = zlib.crc32(data, crc)
         zf._write(data)
     zf.end(entry, crc)
