@@ -1,6 +1,8 @@
 """``zckpt reshard``: a checkpoint's full training state, laid out for another world size (and ZeRO stage).
 
-Reader -> plan -> :mod:`zckpt.writers.engine_native`. The output is an engine-native save dir (``OUT/<tag>/``,
+Reader -> plan -> a writer chosen by ``format``: :mod:`zckpt.writers.engine_native` (default) or
+:mod:`zckpt.writers.deepspeed_native` (a plain DeepSpeed ZeRO save dir that DeepSpeed's ``load_checkpoint`` resumes
+at the new world size). The engine output is an engine-native save dir (``OUT/<tag>/``,
 ``OUT/latest``, config and tokenizer files copied) that ``engine.load_checkpoint`` resumes at the new world size
 with fp32 masters, every optimizer state tensor, scheduler, loss scaler and counters. Same rules as consolidate:
 everything validated before the first byte, written into a staging folder, fsynced, renamed into place.
@@ -21,6 +23,7 @@ from .writers import WRITERS
 
 #: ``--format`` values: the writer (:data:`zckpt.writers.WRITERS`) that lays the checkpoint out
 FORMATS = ("engine", "universal", "deepspeed")
+RESHARD_FORMATS = FORMATS
 #: the engine's default ``zero_optimization.reduce_bucket_size`` (engine/config.py)
 DEFAULT_BUCKET = 500_000_000
 
@@ -35,7 +38,7 @@ class ReshardResult:
     to_world_size: int
     from_stage: int
     to_stage: int
-    reduce_bucket_size: int
+    reduce_bucket_size: int | None
     parameters: int
     state_keys: list[str]
     files: list[str]
@@ -134,22 +137,32 @@ def reshard(src: str | Path, out: str | Path, *, world_size: int, stage: int | N
         raise InvalidArgumentError(f"--format {format!r} is not one of {known}")
     plan = open_plan(src, tag)
     require_training_state(plan)
-    target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
+    if format == "deepspeed":
+        from .writers.deepspeed_native import resolve_deepspeed_target
+
+        target = resolve_deepspeed_target(plan, world_size, stage, _config_zero(config))
+    else:
+        target = resolve_target(plan, world_size, stage, reduce_bucket_size, config)
     writer = WRITERS[format]
     total = writer.total_bytes(plan, target=target)  # lays out the target: its errors come before any byte
     check_output(out, [Path(src)] + ([Path(plan.model_dir)] if plan.model_dir else []), overwrite)
-    check_space(out, reshard_needs(plan, layout_for(plan, target))[0], f"the checkpoint for {world_size} ranks")
+    if format == "engine":  # the estimate knows the engine layout; the DeepSpeed writers' sizes come from total
+        needed = reshard_needs(plan, layout_for(plan, target))[0]
+    else:
+        needed = total
+    check_space(out, needed, f"the checkpoint for {world_size} ranks")
     with staged_output(out, overwrite) as staging, checked(regions_read(plan, with_state=True)), \
             tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="reshard", disable=quiet) as bar:
-        manifest = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
-    if format != "engine":
-        files, written = list(manifest.files), manifest.bytes_written
+        written = writer.write(plan, staging, bar.update, target=target, workers=workers or _io_workers())
+    if hasattr(written, "bytes_written"):
+        files, nbytes = sorted(written.files), written.bytes_written
     else:
-        files, written = sorted(manifest.files), sum(f.size for f in manifest.files.values())
+        sizes = {name: getattr(entry, "size", entry) for name, entry in written.files.items()}
+        files, nbytes = sorted(sizes), sum(sizes.values())
     return ReshardResult(
-        source=plan.source, tag=manifest.tag, out=str(out), source_format=plan.format,
+        source=plan.source, tag=written.tag, out=str(out), source_format=plan.format,
         from_world_size=plan.world_size, to_world_size=target.world_size, from_stage=plan.stage,
-        to_stage=target.stage, reduce_bucket_size=target.reduce_bucket_size,
+        to_stage=target.stage, reduce_bucket_size=getattr(target, "reduce_bucket_size", None),
         parameters=sum(t.numel for t in plan.trainable()), state_keys=list(plan.training.state_keys),
-        files=files, bytes_written=written, format=format,
+        files=files, bytes_written=nbytes, format=format,
         seconds=round(time.perf_counter() - started, 3))

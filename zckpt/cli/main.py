@@ -141,7 +141,8 @@ def consolidate(
 @app.command(epilog="Examples:\n\n\b\n  zckpt reshard ckpts/ ckpts-ws8/ --world-size 8\n"
                     "  zckpt reshard out/checkpoint-500 resume-ws4/ --world-size 4 --stage 3\n"
                     "  zckpt reshard ckpts/ resume/ --world-size 16 --config ds_config.json --json\n"
-                    "  zckpt reshard out/checkpoint-500 uni/ --world-size 8 --format universal")
+                    "  zckpt reshard out/checkpoint-500 uni/ --world-size 8 --format universal\n"
+                    "  zckpt reshard ckpts/ ds-ws4/ --world-size 4 --format deepspeed")
 def reshard(
     src: SrcArg,
     out: _out_arg("Output save dir"),

@@ -87,7 +87,32 @@ class DeepSpeedUniversalWriter:
         return result
 
 
-WRITERS: dict[str, Writer] = {w.name: w for w in (HFSafetensorsWriter(), EngineNativeWriter(),
-                                                  DeepSpeedUniversalWriter())}
+class DeepSpeedNativeWriter:
+    """Plain DeepSpeed ZeRO save dir for N ranks (``<tag>/`` with DeepSpeed's model-states and optimizer files,
+    ``latest``) that DeepSpeed's ordinary ``load_checkpoint`` resumes, with the source's config and tokenizer files.
+    Options: ``target`` (:class:`~zckpt.writers.deepspeed_native.DeepSpeedTarget`), ``workers``."""
 
-__all__ = ["WRITERS", "Writer", "HFSafetensorsWriter", "EngineNativeWriter", "DeepSpeedUniversalWriter"]
+    name, needs = "deepspeed", "training"
+
+    def total_bytes(self, plan: CheckpointPlan, *, target, **options: Any) -> int:
+        from .deepspeed_native import check_plan, layout_of, total_bytes
+
+        check_plan(plan)
+        layout_of(plan, target)  # its errors come before any byte
+        return total_bytes(plan, target)
+
+    def write(self, plan: CheckpointPlan, folder: Path, progress: Callable[[int], None], *, target,
+              workers: int = 4):
+        from .deepspeed_native import write_deepspeed_checkpoint
+        from .hf_safetensors import copy_model_files
+
+        result = write_deepspeed_checkpoint(plan, folder, target, workers=workers, progress=progress)
+        copy_model_files(Path(plan.model_dir) if plan.model_dir else None, folder, None)
+        return result
+
+
+WRITERS: dict[str, Writer] = {w.name: w for w in (HFSafetensorsWriter(), EngineNativeWriter(),
+                                                  DeepSpeedUniversalWriter(), DeepSpeedNativeWriter())}
+
+__all__ = ["WRITERS", "Writer", "HFSafetensorsWriter", "EngineNativeWriter", "DeepSpeedUniversalWriter",
+           "DeepSpeedNativeWriter"]
