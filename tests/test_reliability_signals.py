@@ -26,14 +26,14 @@ DS = FIXTURES / "z2_bf16_ws2_tied_g2" / "ckpt"
 
 _SLOW = """
 import os, sys, time
-import zckpt.writers.safetensors_stream as st, zckpt.writers.engine_native as en
+import zckpt.writers.safetensors_stream as st, engine.checkpoint_format as en
 def slow(real):
     def wrapper(self, *a, **k):
         time.sleep(float(os.environ.get('SLOW_WRITE_S', '0.05')))
         return real(self, *a, **k)
     return wrapper
 st.PositionalWriter.write = slow(st.PositionalWriter.write)
-en._HashingFile.write = slow(en._HashingFile.write)
+en.HashingWriter.write = slow(en.HashingWriter.write)
 from zckpt.cli.main import main
 main(sys.argv[1:])
 """
