@@ -12,12 +12,13 @@ here imports DeepSpeed: the files hold torch tensors, ``torch.Size``, dicts, lis
 
 from __future__ import annotations
 
-import os
 from collections import OrderedDict
 from pathlib import Path
 from typing import Any
 
 import torch
+
+from engine.checkpoint_format import fsync_path
 
 from ..plan import CheckpointPlan
 from ..universal_spec import UNIVERSAL_VERSION, UNIVERSAL_VERSION_KEY
@@ -33,15 +34,6 @@ def save_pickle(obj: Any, path: Path, *, fsync: bool = True) -> int:
     if fsync:
         fsync_path(path)
     return path.stat().st_size
-
-
-def fsync_path(path: Path) -> None:
-    """fsync a file or a folder (a folder's entries: the names of the files created in it)."""
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def ds_version(plan: CheckpointPlan) -> str:
