@@ -177,13 +177,18 @@ def measure(tag: Path, work: Path, world_size: int, repeats: int, skip: dict[str
                 written[name] = sum(p.stat().st_size for p in out.rglob("*") if p.is_file())
     shutil.rmtree(out, ignore_errors=True)
     result: dict = {"page_cache": cache, "skipped": skip}
-    for name, r in runs.items():
-        result[name] = {"wall_s": statistics.median(x.wall_s for x in r),
-                        "peak_rss_mb": statistics.median(x.max_rss_mb for x in r),
-                        "peak_tree_pss_mb": statistics.median(x.tree_pss_mb for x in r),
-                        "output_gb": written[name] / 1e9,
-                        "runs": [[x.wall_s, x.max_rss_mb, x.tree_pss_mb] for x in r]}
+    result.update(summarize(runs, written))
     return result
+
+
+
+def summarize(runs: dict, written: dict) -> dict:
+    """Per tool: medians of wall time, peak RSS and tree PSS over its runs, output size, and every run."""
+    return {name: {"wall_s": statistics.median(x.wall_s for x in r),
+                   "peak_rss_mb": statistics.median(x.max_rss_mb for x in r),
+                   "peak_tree_pss_mb": statistics.median(x.tree_pss_mb for x in r),
+                   "output_gb": written[name] / 1e9,
+                   "runs": [[x.wall_s, x.max_rss_mb, x.tree_pss_mb] for x in r]} for name, r in runs.items()}
 
 
 def main() -> None:

@@ -29,7 +29,6 @@ import json
 import os
 import platform
 import shutil
-import statistics
 import subprocess
 import sys
 import time
@@ -80,12 +79,7 @@ def measure(tag: Path, work: Path, world_size: int, repeats: int, native: bool) 
             written.setdefault(name, sum(p.stat().st_size for p in out.rglob("*") if p.is_file()))
     shutil.rmtree(out, ignore_errors=True)
     result: dict = {"page_cache": cache, "load_average_before": os.getloadavg()}
-    for name, r in runs.items():
-        result[name] = {"wall_s": statistics.median(x.wall_s for x in r),
-                        "peak_rss_mb": statistics.median(x.max_rss_mb for x in r),
-                        "peak_tree_pss_mb": statistics.median(x.tree_pss_mb for x in r),
-                        "output_gb": written[name] / 1e9,
-                        "runs": [[x.wall_s, x.max_rss_mb, x.tree_pss_mb] for x in r]}
+    result.update(harness.summarize(runs, written))
     return result
 
 
