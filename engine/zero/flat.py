@@ -46,6 +46,7 @@ from collections import deque
 import torch
 
 from engine import comm
+from engine.offload import HostBuffers, Uploader
 from engine.partition import PartitionTable, Unit
 
 
@@ -66,11 +67,24 @@ def pack_unit_grads(unit: Unit, params: list, out: torch.Tensor) -> None:
 class GradStore:
     """One optimizer group's reduced gradient partition for the current accumulation window (see module doc)."""
 
-    def __init__(self, numel: int, device: torch.device, reduce_dtype: torch.dtype):
+    def __init__(self, numel: int, device: torch.device, reduce_dtype: torch.dtype,
+                 host: HostBuffers | None = None, key=0):
         self.numel, self.device, self.reduce_dtype = numel, device, reduce_dtype
         self.low: torch.Tensor | None = None  # reduce dtype (16-bit); each unit's slice written once
         self.acc: torch.Tensor | None = None  # fp32 accumulator
         self.written: set[int] = set()  # units whose slice of ``low`` holds a piece
+        # offloaded store (``host``): ``low``/``acc`` are reused host buffers, left uninitialised; the slices of
+        # ``low`` no piece wrote are zeroed when it is widened. Device pieces are copied into pinned ``low`` without
+        # waiting; ``_copied`` is the event to wait for before the host reads it.
+        self.host, self.key = host, key
+        self.ranges: list[tuple[int, int]] = []
+        self._copied = None
+
+    def _buffer(self, kind: str, dtype: torch.dtype) -> torch.Tensor:
+        if self.host is None:
+            return torch.zeros(self.numel, dtype=dtype, device=self.device)
+        buf = self.host.get((kind, self.key), self.numel, dtype)
+        return buf if kind == "low" else buf.zero_()
 
     def direct_slice(self, unit: Unit, compute_device: torch.device) -> torch.Tensor | None:
         """The slice a collective may write the unit's piece into (first piece of a 16-bit store on the compute
@@ -90,8 +104,14 @@ class GradStore:
         lo, hi = unit.partition_offset, unit.partition_offset + unit.slice_numel
         if self.reduce_dtype != torch.float32 and self.acc is None and unit.index not in self.written:
             if self.low is None:
-                self.low = torch.zeros(self.numel, dtype=self.reduce_dtype, device=self.device)
-            self.low[lo:hi].copy_(piece)
+                self.low = self._buffer("low", self.reduce_dtype)
+            if self.host is not None and piece.is_cuda and self.host.pin:
+                self.low[lo:hi].copy_(piece, non_blocking=True)  # the host reads it after widen() waits
+                self._copied = torch.cuda.Event()
+                self._copied.record()
+            else:
+                self.low[lo:hi].copy_(piece)
+            self.ranges.append((lo, hi))
             self.written.add(unit.index)
             return
         self.widen()
@@ -101,11 +121,30 @@ class GradStore:
         """Switch to the fp32 accumulator: ``acc = 0 + low`` (exact), ``low`` freed."""
         if self.acc is not None:
             return
-        self.acc = torch.zeros(self.numel, dtype=torch.float32, device=self.device)
-        if self.low is not None:
-            self.acc.add_(self.low)
+        if self._copied is not None:
+            self._copied.synchronize()
+            self._copied = None
+        if self.host is not None and self.low is not None:
+            self._zero_unwritten()
+            self.acc = self.host.get(("acc", self.key), self.numel, torch.float32)
+            torch.add(self.low, 0.0, out=self.acc)  # 0 + low in one pass: exact, -0 becomes +0 as below
             self.low = None
+        else:
+            self.acc = self._buffer("acc", torch.float32)
+            if self.low is not None:
+                self.acc.add_(self.low)
+                self.low = None
         self.written.clear()
+        self.ranges.clear()
+
+    def _zero_unwritten(self) -> None:
+        at = 0
+        for lo, hi in sorted(self.ranges):
+            if lo > at:
+                self.low[at:lo].zero_()
+            at = max(at, hi)
+        if at < self.numel:
+            self.low[at:].zero_()
 
     def fp32(self) -> torch.Tensor:
         """The window's fp32 gradient partition (zeros if nothing was reduced); ``low`` is consumed."""
@@ -133,6 +172,10 @@ class FlatParamManager:
         self._inflight_numel = 0
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.master_device = master_device
+        # offloaded optimizer next to a GPU: gradient stores and the upload staging are reused pinned host buffers
+        offloaded = master_device.type == "cpu" and device.type == "cuda"
+        self.host = HostBuffers(pin=True) if offloaded else None
+        self.uploader = Uploader(self.host) if offloaded else None
         self.shard_rank = comm.rank() if table.world_size > 1 else 0
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel]
@@ -146,7 +189,8 @@ class FlatParamManager:
                 self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(i)))
 
     def _new_stores(self) -> list[GradStore]:
-        return [GradStore(n, self.master_device, self.reduce_dtype) for n in self.table.group_partition_numel]
+        return [GradStore(n, self.master_device, self.reduce_dtype, host=self.host, key=g)
+                for g, n in enumerate(self.table.group_partition_numel)]
 
     # -- init ---------------------------------------------------------------------------------------------------
     def _build_unit(self, unit: Unit) -> torch.Tensor:
@@ -276,13 +320,22 @@ class FlatParamManager:
     @torch.no_grad()
     def update_params(self) -> None:
         """Copy updated fp32 slices into the compute buffers and all-gather them (one collective per unit)."""
-        r = self.shard_rank
+        r, up = self.shard_rank, self.uploader
+        if up is not None:
+            up.begin()
         for unit, full in zip(self.table.units, self.full):
             s = unit.slice_numel
             mine = full[r * s:(r + 1) * s]
-            mine.copy_(self.masters[unit.group][unit.partition_offset: unit.partition_offset + s])
+            master = self.masters[unit.group]
+            src = master[unit.partition_offset: unit.partition_offset + s]
+            if up is not None:  # host cast into pinned staging, copy without waiting (see engine.offload.Uploader)
+                up.copy(mine, src, unit.group, unit.partition_offset, master.numel())
+            else:
+                mine.copy_(src)
             if self.table.world_size > 1:
                 comm.all_gather_(full, mine)
+        if up is not None:
+            up.end()
 
     def full_param(self, index: int) -> torch.Tensor:
         """The full compute-dtype parameter (already materialised on every rank)."""

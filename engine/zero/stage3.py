@@ -44,6 +44,7 @@ import torch
 from torch import nn
 
 from engine import comm
+from engine.offload import HostBuffers, Uploader
 from engine.partition import PartitionTable, Unit
 from engine.zero.flat import pack_unit_grads
 from engine.zero.prefetch import FetchTrace, Stage3Options
@@ -106,6 +107,8 @@ class PartitionedParamManager:
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel[:num_trainable_groups]]
         self.grad_parts = [torch.zeros_like(m) for m in self.masters]
+        offloaded = master_device.type == "cpu" and param_device.type == "cuda"
+        self.uploader = Uploader(HostBuffers(pin=True)) if offloaded else None
         self.part = [torch.zeros(n, dtype=compute_dtype, device=param_device) for n in table.group_partition_numel]
         n_units = len(table.units)
         self.full: list[torch.Tensor | None] = [None] * n_units  # gathered flat buffer (maybe still in flight)
@@ -401,8 +404,16 @@ class PartitionedParamManager:
         """Cast masters into the param partitions; re-gather persistent units and units held by a user context
         (issue all, then wait all)."""
         self._settle()
+        up = self.uploader
+        if up is not None:
+            up.begin()
         for g, master in enumerate(self.masters):
-            self.part[g].copy_(master)
+            if up is not None:  # host cast into pinned staging, copied without waiting (engine.offload.Uploader)
+                up.copy(self.part[g], master, g, 0, master.numel())
+            else:
+                self.part[g].copy_(master)
+        if up is not None:
+            up.end()
         stale = [u for u in range(len(self.full)) if self.full[u] is not None]
         for u in stale:
             if not self.persistent[u]:

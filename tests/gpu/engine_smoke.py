@@ -36,7 +36,7 @@ SIZES = {
 }
 
 
-def config(stage: int, dtype: str, micro: int) -> dict:
+def config(stage: int, dtype: str, micro: int, offload: bool = False) -> dict:
     cfg = {"train_micro_batch_size_per_gpu": micro, "gradient_accumulation_steps": 1, "gradient_clipping": 1.0,
            "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "weight_decay": 0.01}},
            "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 10_000,
@@ -44,6 +44,8 @@ def config(stage: int, dtype: str, micro: int) -> dict:
            "steps_per_print": 10**6}
     if dtype == "bf16":
         cfg["bf16"] = {"enabled": True}
+    if offload:
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
     return cfg
 
 
@@ -58,12 +60,12 @@ def same_as_plain_build(model, mcfg) -> bool:
         return all(torch.equal(p.detach().cpu(), plain[n].to(p.dtype)) for n, p in model.named_parameters())
 
 
-def run_stage(stage: int, args, ckpt_root: Path) -> None:
+def run_stage(stage: int, args, ckpt_root: Path, offload: bool = False) -> list[float]:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     rank, world = dist.get_rank(), dist.get_world_size()
     mcfg = LlamaConfig(tie_word_embeddings=True, **SIZES[args.size])
-    cfg = config(stage, args.dtype, args.micro)
+    cfg = config(stage, args.dtype, args.micro, offload)
     zero_init = stage == 3 and args.zero_init
     torch.manual_seed(0)
     # Stage 3 builds under zero.Init (HF's post_init still runs on gathered weights: same init as a plain build).
@@ -96,12 +98,13 @@ def run_stage(stage: int, args, ckpt_root: Path) -> None:
     after = eng.fp32_state_dict()
     exact = all(torch.equal(before[k], after[k]) for k in before)
     if rank == 0:
-        print(f"stage {stage} [{eng.ctx.backend}, {device}, {args.dtype}]: losses "
+        print(f"stage {stage}{' + optimizer offload' if offload else ''} [{eng.ctx.backend}, {device}, {args.dtype}]: losses "
               f"{' '.join(f'{x:.4f}' for x in losses)} | median step {1000 * statistics.median(times[1:]):.1f} ms | "
               f"peak mem {torch.cuda.max_memory_allocated(device) / 2**20:.0f} MiB | ckpt round trip exact: {exact}",
               flush=True)
     if not exact or not all(l == l for l in losses):
         raise SystemExit(f"stage {stage} failed")
+    return losses
 
 
 def main() -> None:
@@ -115,6 +118,9 @@ def main() -> None:
     ap.add_argument("--zero-init", action=argparse.BooleanOptionalAction, default=True,
                     help="build the stage-3 model under engine.zero.Init (default; --no-zero-init builds it whole "
                          "on every rank and partitions it in initialize())")
+    ap.add_argument("--offload", action="store_true",
+                    help="also run each stage with offload_optimizer=cpu; its losses must match the device run's "
+                         "(relative 2e-3: host fused AdamW vs CUDA fused AdamW round differently)")
     ap.add_argument("--out", default=None, help="checkpoint directory (default: a temp dir)")
     args = ap.parse_args()
     if not torch.cuda.is_available():
@@ -123,7 +129,14 @@ def main() -> None:
     root = Path(args.out) if args.out else Path(engine.comm.broadcast_json(
         tempfile.mkdtemp(prefix="engine-smoke-") if ctx.rank == 0 else None))
     for stage in args.stages:
-        run_stage(stage, args, root)
+        losses = run_stage(stage, args, root)
+        if args.offload:
+            off = run_stage(stage, args, root, offload=True)
+            worst = max(abs(a - b) / abs(a) for a, b in zip(losses, off))
+            if ctx.rank == 0:
+                print(f"stage {stage}: offload vs device losses, worst relative difference {worst:.2e}", flush=True)
+            if worst > 2e-3:
+                raise SystemExit(f"stage {stage}: offloaded losses differ from the device run's")
     dist.barrier()
     dist.destroy_process_group()
 

@@ -46,6 +46,8 @@ def _args():
     p.add_argument("--async", dest="async_save", action="store_true", help="also time an asynchronous save")
     p.add_argument("--floor", action="store_true", help="also time the disk floor for the same bytes")
     p.add_argument("--cpu", action="store_true", help="gloo on CPU, fp32, for trying the script small")
+    p.add_argument("--phases", action="store_true",
+                   help="also time the phases of each step (device-synchronised around each, rank 0's medians)")
     return p.parse_args()
 
 
@@ -77,6 +79,31 @@ def _timed(a, fn) -> float:
     fn()
     _sync(a)
     return round(time.perf_counter() - t, 3)
+
+
+def _time_phases(a, eng) -> dict[str, list[float]]:
+    """Wrap the step's phases with device-synchronised timers: backward and step for both implementations, and the
+    engine's step phases (gradient reduction wait, fp32 gradient partitions, Adam, parameter refresh, zeroing)."""
+    spent: dict[str, list[float]] = {}
+    targets = [(eng, "backward"), (eng, "step")]
+    if a.impl == "engine":
+        targets += [(eng.mgr, "reduce_at_boundary"), (eng, "_grad_partitions"), (eng.optimizer, "step"),
+                    (eng.mgr, "update_params"), (eng.mgr, "zero_grads")]
+    for obj, name in targets:
+        label = ("optimizer." if obj is getattr(eng, "optimizer", None) and a.impl == "engine" else "") + name
+        fn = getattr(obj, name)
+
+        def timed(*args, _fn=fn, _label=label, **kwargs):
+            if not a.cpu:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            out = _fn(*args, **kwargs)
+            if not a.cpu:
+                torch.cuda.synchronize()
+            spent.setdefault(_label, []).append(time.perf_counter() - t)
+            return out
+        setattr(obj, name, timed)
+    return spent
 
 
 def _disk_floor(a, folder: Path, nbytes: int) -> float:
@@ -134,6 +161,7 @@ def main() -> None:
     if not a.cpu:
         torch.cuda.reset_peak_memory_stats()
     times = []
+    spent = _time_phases(a, eng) if a.phases else None
     for i in range(a.steps):
         ids = torch.randint(0, 32000, (a.mbs, a.seq), device=device)
         times.append(_timed(a, lambda: (lambda loss: (eng.backward(loss), eng.step()))(
@@ -144,6 +172,8 @@ def main() -> None:
     result = {"impl": a.impl, "stage": a.stage, "offload": a.offload, "params_M": round(nparams / 1e6, 1),
               "world": world, "step_s": round(step_s, 4), "tokens_per_s": round(world * a.mbs * a.seq / step_s),
               "init_s": init_s, "threads_at_step": torch.get_num_threads()}
+    if spent:
+        result["phases_s"] = {k: round(statistics.median(v[2:] if len(v) > 3 else v), 4) for k, v in spent.items()}
     if not a.cpu:
         peak = torch.tensor([torch.cuda.max_memory_allocated() / 2**30], device="cuda")
         dist.all_reduce(peak, op=dist.ReduceOp.MAX)
