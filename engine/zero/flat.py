@@ -127,7 +127,8 @@ class GradStore:
         if self.host is not None and self.low is not None:
             self._zero_unwritten()
             self.acc = self.host.get(("acc", self.key), self.numel, torch.float32)
-            torch.add(self.low, 0.0, out=self.acc)  # 0 + low in one pass: exact, -0 becomes +0 as below
+            self.acc.copy_(self.low)  # exact widening; + 0.0 turns -0 into +0 as 0 + low does below (torch.add
+            self.acc.add_(0.0)  # with a bf16 input and an fp32 out= takes a slow path: 4x these two passes)
             self.low = None
         else:
             self.acc = self._buffer("acc", torch.float32)
