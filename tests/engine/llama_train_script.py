@@ -22,6 +22,9 @@ SIZES = {
                  num_key_value_heads=2, vocab_size=100, max_position_embeddings=64),
     "small": dict(hidden_size=256, intermediate_size=688, num_hidden_layers=4, num_attention_heads=8,
                   num_key_value_heads=4, vocab_size=4000, max_position_embeddings=256),
+    # the GPU benchmarks' model (tests/gpu/save_bench.py defaults, tied embeddings here): about 0.95B parameters
+    "1b": dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=16, num_attention_heads=16,
+               num_key_value_heads=16, vocab_size=32000, max_position_embeddings=1024),
 }
 
 
@@ -121,12 +124,20 @@ def main() -> None:
             torch.cuda.synchronize()
         times.append(time.perf_counter() - t0)
         losses.append(loss.item())
+    save_s = None
     if args.save:
+        if torch.cuda.is_available():
+            torch.cuda.synchronize()
+        dist.barrier()
+        t0 = time.perf_counter()
         eng.save_checkpoint(args.save)
+        dist.barrier()
+        save_s = time.perf_counter() - t0
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / f"losses.rank{rank}.json").write_text(json.dumps({
-        "losses": losses, "times": times, "median_step_s": statistics.median(times[1:] or times)}))
+        "losses": losses, "times": times, "median_step_s": statistics.median(times[1:] or times),
+        "save_s": save_s}))
     if not args.no_weights:
         weights = full_weights(args.impl, eng, model)
         if rank == 0:
