@@ -345,11 +345,32 @@ def read_manifest(tag_dir: Path, *, require_commit: bool = True) -> Manifest:
                               f"(see {tag_dir.parent / LATEST})")
     path = tag_dir / MANIFEST
     try:
-        obj = json.loads(path.read_bytes())
+        data = path.read_bytes()
+        digest_error = _manifest_digest_error(tag_dir, data) if require_commit else None
+        if digest_error is None:  # a damaged manifest is reported as such, not as the JSON error it causes
+            obj = json.loads(data)
     except (OSError, ValueError) as exc:
         raise FormatError(f"{path} is unreadable ({type(exc).__name__}: {str(exc)[:120]}); use an earlier tag") \
             from None
+    if digest_error:
+        raise DigestError(digest_error)
     return Manifest.from_json(obj, str(path))
+
+
+class DigestError(FormatError):
+    """``manifest.json`` does not match the sha256 that ``COMMITTED`` records."""
+
+
+def _manifest_digest_error(tag_dir: Path, manifest_bytes: bytes) -> str | None:
+    """Why the manifest's bytes do not match the sha256 ``COMMITTED`` records, or None when they do (markers
+    written before the digest existed hold only the tag: such a manifest is checked for structure only)."""
+    _, digest = parse_committed((tag_dir / COMMITTED).read_bytes())
+    got = hashlib.sha256(manifest_bytes).hexdigest()
+    if digest is None or got == digest:
+        return None
+    return (f"{tag_dir / MANIFEST} does not match the sha256 recorded in {COMMITTED} (sha256 "
+            f"{got[:16]}..., recorded {digest[:16]}...): it was edited or damaged after the save; "
+            "use an earlier tag")
 
 
 def read_latest(save_dir: Path) -> str | None:

@@ -84,6 +84,19 @@ def test_manifest_edited_after_the_save_is_caught_by_committed_digest(capsys, en
     refused(capsys, tmp_path, engine_copy, match=("manifest.json", "COMMITTED", "sha256"))
 
 
+def test_engine_loader_checks_the_committed_digest_too(engine_copy):
+    """The engine's load_checkpoint reads the manifest through the same spec function (one place for the check)."""
+    import engine.checkpoint
+    from engine import checkpoint_format as spec
+
+    tag_dir = engine_copy / "global_step3"
+    assert spec.read_manifest(tag_dir).tag == "global_step3"
+    manifest_edit(tag_dir, lambda o: o["params"][0].update(name="renamed.weight"), recommit=False)
+    with pytest.raises(spec.DigestError, match="recorded in COMMITTED"):
+        spec.read_manifest(tag_dir)
+    assert "spec.read_manifest" in Path(engine.checkpoint.__file__).read_text()
+
+
 # --- 1. integrity on every read ----------------------------------------------------------------------------------
 
 

@@ -43,6 +43,8 @@ def _read_manifest(tag_dir: Path) -> spec.Manifest:
         return spec.read_manifest(tag_dir)
     except spec.IncompleteError as exc:
         raise CheckpointIncompleteError(str(exc)) from None
+    except spec.DigestError as exc:
+        raise CheckpointCorruptError(str(exc)) from None
     except spec.FormatError as exc:
         raise CheckpointCorruptError(f"{exc}; upgrade zckpt or use an earlier tag") from None
     except (TypeError, AttributeError, KeyError, IndexError, RecursionError) as exc:  # JSON of unexpected shape
@@ -182,31 +184,10 @@ def _check_ranks(files: _Files, manifest: spec.Manifest, has_optim: bool) -> Non
                                      f"is for {manifest.tag[:80]!r}; the folder mixes two saves, use an earlier tag")
 
 
-def _check_manifest_digest(tag_dir: Path) -> None:
-    """The manifest's bytes match the sha256 that ``COMMITTED`` records (checkpoints saved before the marker held
-    it have no digest: their manifest is checked for structure only)."""
-    import hashlib
-
-    try:
-        _, digest = spec.parse_committed((tag_dir / spec.COMMITTED).read_bytes())
-        if digest is None:
-            return
-        got = hashlib.sha256((tag_dir / spec.MANIFEST).read_bytes()).hexdigest()
-    except FileNotFoundError:
-        return  # reported by the manifest reader (no COMMITTED: incomplete; no manifest: not a checkpoint)
-    except OSError as exc:
-        raise source_os_error(exc) from None
-    if got != digest:
-        raise CheckpointCorruptError(f"{tag_dir / spec.MANIFEST} does not match the sha256 recorded in "
-                                     f"{spec.COMMITTED} (sha256 {got[:16]}..., recorded {digest[:16]}...): it was "
-                                     "edited or damaged after the save; use an earlier tag")
-
-
 def read_engine_plan(tag_dir: Path) -> CheckpointPlan:
     """The plan of a committed engine checkpoint tag directory (``save_dir/<tag>``): weights and training state."""
     tag_dir = Path(tag_dir)
-    _check_manifest_digest(tag_dir)
-    manifest = _read_manifest(tag_dir)
+    manifest = _read_manifest(tag_dir)  # also checks the manifest against the sha256 COMMITTED records
     files = _Files(tag_dir, manifest)
     for fname in files.listed:
         files.check(fname)
