@@ -30,6 +30,7 @@ import dataclasses
 import hashlib
 import json
 import os
+import re
 import shutil
 import tempfile
 from dataclasses import dataclass
@@ -275,6 +276,27 @@ def _commit(save_dir: Path, tmp: Path, manifest: spec.Manifest, save_latest: boo
         spec.write_latest(save_dir, manifest.tag)
 
 
+_STAGING_FILE = re.compile(r"rank\d{5}-(weights|optim)\.safetensors|manifest\.json|COMMITTED|\.done-rank\d+\.json")
+
+
+def remove_stale_staging(save_dir: Path) -> list[str]:
+    """Remove ``.<tag>.tmp-*`` / ``.<tag>.old-*`` folders a killed save left in ``save_dir`` (rank 0, before a new
+    save; no save of this job is in flight then). Only folders holding nothing but checkpoint files are removed:
+    anything else there is left alone. Returns the names removed."""
+    removed = []
+    for path in save_dir.glob(".*.*-*"):
+        if not (path.is_dir() and not path.is_symlink() and re.fullmatch(r"\..+\.(tmp|old)-\w+", path.name)):
+            continue
+        try:
+            names = [f.name for f in path.iterdir()]
+            if all(_STAGING_FILE.fullmatch(n) and (path / n).is_file() for n in names):
+                shutil.rmtree(path)
+                removed.append(path.name)
+        except OSError:
+            continue  # unreadable or vanished: not ours to force
+    return removed
+
+
 def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None, save_latest: bool = True,
                     async_save: bool = False, exclude_optimizer_states: bool = False) -> bool:
     """Collective. Write a committed checkpoint under ``save_dir/<tag>``; see the module docstring. With
@@ -291,6 +313,7 @@ def save_checkpoint(view: CheckpointView, save_dir, tag=None, client_state=None,
     tmp_name = None
     if view.rank == 0:
         save_dir.mkdir(parents=True, exist_ok=True)
+        remove_stale_staging(save_dir)
         tmp_name = tempfile.mkdtemp(prefix=f".{tag}.tmp-", dir=save_dir)
     tmp = Path(comm.broadcast_json(tmp_name))
     tensors = _rank_tensors(view, not exclude_optimizer_states)

@@ -122,8 +122,9 @@ def test_resume_after_crash_and_resave_same_tag(run):
     for r in reports:
         assert r["resumed_from"] == "good" and r["resumed_equal"]
         assert r["resave_equal"]
-    names = sorted(p.name for p in (out / "ckpt").iterdir() if not p.name.startswith(".bad.tmp-"))
-    assert names == ["again", "foreign", "good", "latest"], names  # no temp or old copy of 'again' left
+    names = sorted(p.name for p in (out / "ckpt").iterdir())
+    # no temp or old copy of 'again' left, and the next save removed the killed save's '.bad.tmp-*' staging
+    assert names == ["again", "foreign", "good", "latest"], names
     assert (out / "ckpt" / "latest").read_text().strip() == "again"
 
 
@@ -134,3 +135,23 @@ def test_foreign_dir_and_disagreeing_tags_are_refused_on_every_rank(run):
         assert r["disagree"] and "ranks disagree" in r["disagree"] and "rank0" in r["disagree"]
     assert (out / "ckpt" / "foreign" / "keep.txt").read_text() == "user data"
     assert not (out / "ckpt" / "rank0").exists() and not (out / "ckpt" / "rank1").exists()
+
+
+def test_stale_staging_removed_only_when_it_holds_checkpoint_files(tmp_path):
+    from engine.checkpoint import remove_stale_staging
+
+    stale = tmp_path / ".step9.tmp-ab_12"
+    stale.mkdir()
+    (stale / "rank00000-weights.safetensors").write_bytes(b"x")
+    (stale / ".done-rank0.json").write_text("{}")
+    old = tmp_path / ".step8.old-zz"
+    old.mkdir()
+    (old / "manifest.json").write_text("{}")
+    foreign = tmp_path / ".step7.tmp-cd"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("user data")
+    (tmp_path / ".hidden.tmp-file").write_text("a file, not a folder")
+    (tmp_path / "step6").mkdir()
+    assert sorted(remove_stale_staging(tmp_path)) == [".step8.old-zz", ".step9.tmp-ab_12"]
+    assert (foreign / "notes.txt").read_text() == "user data"
+    assert (tmp_path / ".hidden.tmp-file").is_file() and (tmp_path / "step6").is_dir()
