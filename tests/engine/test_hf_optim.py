@@ -310,3 +310,77 @@ def test_schedule_resumes_from_a_checkpoint(tmp_path):
     fresh.load_checkpoint(tmp_path)
     assert sched.last_epoch == 2 and fresh.get_lr() == eng.get_lr()
     assert math.isclose(fresh.get_lr()[0], reference_run(args, 3)[1][2][0])
+
+
+# ---- two ranks: the two groups partitioned across data-parallel ranks ---------------------------------------------
+
+DICT_ARGS = dict(learning_rate=1e-2, weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.99, adam_epsilon=1e-8,
+                 optim="adamw_torch", max_steps=3, warmup_steps=1, lr_scheduler_type="linear",
+                 lr_scheduler_kwargs={}, per_device_train_batch_size=2, gradient_accumulation_steps=2,
+                 max_grad_norm=0.5, fp16=False, bf16=False)
+
+
+def _two_rank_worker(rank, world_size, out, configs):
+    """Each guide config on the harness' toy model (tied, frozen, LayerNorm, biases); training_args as a plain dict
+    with TrainingArguments' field names (no transformers in the workers)."""
+    from types import SimpleNamespace
+
+    from _engine_harness import batches, build_model, micro_batch
+    from safetensors.torch import save_file
+
+    for name in configs:
+        model = build_model(0)
+        model.config = SimpleNamespace(hidden_size=6)  # what the ZeRO-3 "auto" bucket sizes read
+        eng, _, _, _ = engine.initialize(model=model, config=GUIDE / f"{name}.json", training_args=DICT_ARGS)
+        micro, gas = DICT_ARGS["per_device_train_batch_size"], DICT_ARGS["gradient_accumulation_steps"]
+        losses = []
+        for batch in batches(DICT_ARGS["max_steps"], micro * gas * world_size):
+            for k in range(gas):
+                loss = eng(*micro_batch(batch, k, rank, world_size, micro))
+                eng.backward(loss)
+                eng.step()
+                losses.append(loss.item())
+        state = eng.fp32_state_dict()
+        if rank == 0:
+            save_file({k: v.contiguous() for k, v in state.items()}, str(out / f"{name}.safetensors"))
+        (out / f"{name}.rank{rank}.json").write_text(json.dumps(losses))
+
+
+def _toy_reference(world_size: int):
+    """Plain torch: Trainer's decay rule on the toy model, torch AdamW, get_scheduler("linear"), clipping."""
+    from _engine_harness import batches, build_model, micro_batch
+
+    model = build_model(0)
+    decay = set(transformers.Trainer.get_decay_parameter_names(None, model))
+    named = [(n, p) for n, p in model.named_parameters() if p.requires_grad]
+    opt = torch.optim.AdamW([{"params": [p for n, p in named if n in decay], "weight_decay": 0.1},
+                             {"params": [p for n, p in named if n not in decay], "weight_decay": 0.0}],
+                            lr=1e-2, betas=(0.9, 0.99), eps=1e-8)
+    sched = transformers.get_scheduler("linear", opt, num_warmup_steps=1, num_training_steps=3)
+    micro, gas = DICT_ARGS["per_device_train_batch_size"], DICT_ARGS["gradient_accumulation_steps"]
+    losses = {r: [] for r in range(world_size)}
+    for batch in batches(3, micro * gas * world_size):
+        for k in range(gas):
+            for r in range(world_size):
+                loss = model(*micro_batch(batch, k, r, world_size, micro))
+                (loss / (gas * world_size)).backward()
+                losses[r].append(loss.item())
+        torch.nn.utils.clip_grad_norm_([p for _, p in named], 0.5)
+        opt.step(), sched.step(), opt.zero_grad()
+    return losses, {n: t.detach() for n, t in model.state_dict().items()}
+
+
+def test_guide_configs_on_two_ranks(tmp_path):
+    from _engine_harness import launch
+    from safetensors.torch import load_file
+
+    launch(_two_rank_worker, 2, tmp_path, CONFIGS)
+    ref_losses, ref_state = _toy_reference(2)
+    for name in CONFIGS:
+        for rank in range(2):
+            got = json.loads((tmp_path / f"{name}.rank{rank}.json").read_text())
+            assert got == pytest.approx(ref_losses[rank], rel=1e-5, abs=1e-6), (name, rank)
+        state = load_file(str(tmp_path / f"{name}.safetensors"))
+        assert set(ref_state) - set(state) == {"head.weight"}  # the tied alias of embed.weight
+        for n, t in state.items():
+            torch.testing.assert_close(t, ref_state[n].float(), rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
