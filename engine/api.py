@@ -281,7 +281,14 @@ class Engine(nn.Module):
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
+        if getattr(self, "_boundary_override", None) is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: the caller says whether the next backward/step is the accumulation boundary (accelerate calls
+        it before every backward and calls :meth:`step` only at the boundary) instead of counting micro-steps."""
+        self._boundary_override = bool(is_boundary)
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return int(self.config.train_micro_batch_size_per_gpu)
@@ -421,10 +428,20 @@ def client_optimizer_cfg(client_optimizer, config_optimizer):
                              "training_args= to build HF Trainer's AdamW from them")
         return config_optimizer
     name = type(client_optimizer).__name__
-    if name not in ("Adam", "AdamW"):
-        raise ValueError(f"client optimizer {name} is not supported; pass torch.optim.Adam/AdamW or use the config")
     d = client_optimizer.defaults
-    return {"type": name, "lr": d["lr"], "betas": d["betas"], "eps": d["eps"], "weight_decay": d["weight_decay"]}
+    if name in ("Adam", "AdamW"):  # torch's: Adam is L2-regularised, AdamW decoupled
+        adam_w = name == "AdamW"
+    elif name in ("DeepSpeedCPUAdam", "FusedAdam") and d.get("bias_correction", True):
+        # DeepSpeed's Adam kernels, e.g. accelerate's map_pytorch_optim_to_deepspeed of Trainer's AdamW when the
+        # optimizer is offloaded: AdamW unless adamw_mode=False
+        adam_w = bool(getattr(client_optimizer, "adam_w_mode", True))
+    else:
+        raise ValueError(f"client optimizer {name} is not supported; pass torch.optim.Adam/AdamW (or DeepSpeed's "
+                         "DeepSpeedCPUAdam/FusedAdam) or use the config")
+    if d.get("amsgrad"):
+        raise ValueError(f"client optimizer {name} has amsgrad=True, which the engine does not run; use amsgrad=False")
+    return {"type": "AdamW" if adam_w else "Adam", "adam_w_mode": adam_w, "lr": d["lr"],
+            "betas": d.get("betas", (0.9, 0.999)), "eps": d.get("eps", 1e-8), "weight_decay": d["weight_decay"]}
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,

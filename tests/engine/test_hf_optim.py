@@ -384,3 +384,83 @@ def test_guide_configs_on_two_ranks(tmp_path):
         assert set(ref_state) - set(state) == {"head.weight"}  # the tied alias of embed.weight
         for n, t in state.items():
             torch.testing.assert_close(t, ref_state[n].float(), rtol=1e-4, atol=1e-6, msg=f"{name}: {n}")
+
+
+# ---- a real Trainer driving the engine ----------------------------------------------------------------------------
+
+def test_real_trainer_drives_the_engine(tmp_path):
+    """transformers.Trainer with ``deepspeed=`` each guide config (plus the batch keys as "auto"), its
+    ``deepspeed.initialize`` call answered by ``engine.initialize``: Trainer's own AdamW (accelerate maps it to
+    DeepSpeedCPUAdam for the offloading ZeRO-2/3 configs) and its own scheduler, on two gloo ranks, give the losses
+    and lrs of the same Trainer without DeepSpeed (DDP)."""
+    pytest.importorskip("accelerate", reason="the HF Trainer needs accelerate")
+    pytest.importorskip("deepspeed")
+    import os
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    out = tmp_path / "runs.json"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2", "--master_addr",
+           "127.0.0.1", "--master_port", str(port), str(Path(__file__).with_name("hf_trainer_engine_script.py")),
+           "--out", str(out), "--config", *[str(GUIDE / f"{name}.json") for name in CONFIGS]]
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONHASHSEED="0", TOKENIZERS_PARALLELISM="false")
+    run = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stdout[-3000:] + run.stderr[-3000:]
+    runs = json.loads(out.read_text())
+    plain = runs.pop("plain")
+    assert plain["wrapped"].endswith("DistributedDataParallel") and len(plain["loss"]) == 6
+    assert sorted(runs) == sorted(CONFIGS)
+    for name, got in runs.items():
+        assert got["wrapped"] == "engine.api.Engine", name
+        assert got["lr"] == plain["lr"], name
+        assert got["loss"] == pytest.approx(plain["loss"], rel=1e-6), name
+
+
+# ---- client optimizers as accelerate hands them over ---------------------------------------------------------------
+
+def _one_step(opt_factory, cfg_extra=None):
+    torch.manual_seed(0)
+    ref = nn.Linear(4, 3)
+    model = nn.Linear(4, 3)
+    model.load_state_dict(ref.state_dict())
+    x = torch.randn(5, 4)
+    cfg = {"train_micro_batch_size_per_gpu": 5, "gradient_clipping": 0.0, "zero_optimization": {"stage": 1},
+           **(cfg_extra or {})}
+    eng, _, _, _ = engine.initialize(model=model, optimizer=opt_factory(model.parameters()), config=cfg)
+    eng.backward(eng(x).square().mean())
+    eng.step()
+    ref_opt = torch.optim.Adam(ref.parameters(), lr=0.1, weight_decay=0.5)  # L2, not decoupled
+    ref(x).square().mean().backward()
+    ref_opt.step()
+    return eng.fp32_state_dict(), ref.state_dict()
+
+
+def test_client_torch_adam_stays_l2_adam():
+    got, ref = _one_step(lambda ps: torch.optim.Adam(ps, lr=0.1, weight_decay=0.5))
+    for n, t in ref.items():
+        torch.testing.assert_close(got[n], t)
+
+
+def test_client_deepspeed_cpu_adam_is_adopted():
+    """accelerate's map_pytorch_optim_to_deepspeed turns Trainer's AdamW into DeepSpeedCPUAdam when offloading;
+    the engine reads its mode and hyper-parameters (a stand-in with the same name and attributes: building the
+    real one compiles DeepSpeed's CPU kernel)."""
+    class DeepSpeedCPUAdam(torch.optim.Adam):
+        def __init__(self, params, adamw_mode=True, **kw):
+            super().__init__(params, **kw)
+            self.defaults["bias_correction"] = True
+            self.adam_w_mode = adamw_mode
+
+    got, ref = _one_step(lambda ps: DeepSpeedCPUAdam(ps, adamw_mode=False, lr=0.1, weight_decay=0.5),
+                         {"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}})
+    for n, t in ref.items():
+        torch.testing.assert_close(got[n], t)
+
+
+def test_steps_per_print_inf_from_accelerate_means_never():
+    from engine.config import load_config
+    assert load_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": float("inf")}).steps_per_print is None
