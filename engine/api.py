@@ -453,6 +453,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     with its field names) fills the config's "auto" values as HF Trainer does; ``num_training_steps`` is the total
     optimizer step count, needed for step-count "auto" values (warmup ratios, ``total_num_steps``) when
     ``training_args.max_steps <= 0``. The hidden-size "auto" values (ZeRO-3 bucket sizes) come from ``model.config``.
+    With ``training_args`` and no optimizer in the config nor ``optimizer=``, the optimizer is HF Trainer's AdamW
+    (decay / no-decay groups), and with no scheduler anywhere the scheduler is its ``lr_scheduler_type`` schedule
+    (:mod:`engine.hf_optim`), as transformers' DeepSpeed integration hands them to DeepSpeed.
     """
     if model is None:
         raise ValueError("initialize() needs model=")
