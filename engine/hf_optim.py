@@ -106,7 +106,7 @@ def trainer_optimizer(model: nn.Module, model_parameters, training_args: Any) ->
           "weight_decay": float(_arg(training_args, "weight_decay"))}
     items = None if model_parameters is None else list(model_parameters)
     if items and isinstance(items[0], dict):
-        groups = items
+        groups = [dict(g, params=list(g["params"])) for g in items]
     else:
         groups = trainer_param_groups(model, hp["weight_decay"], items)
     logger.info("optimizer = AdamW(lr=%r, betas=%r, eps=%r), weight_decay %r on %d tensors and 0.0 on %d (no "

@@ -464,3 +464,20 @@ def test_client_deepspeed_cpu_adam_is_adopted():
 def test_steps_per_print_inf_from_accelerate_means_never():
     from engine.config import load_config
     assert load_config({"train_micro_batch_size_per_gpu": 1, "steps_per_print": float("inf")}).steps_per_print is None
+
+
+def test_model_parameters_flat_or_grouped():
+    args = training_arguments(**ARGS)
+    model = tiny_llama()
+    named = dict(model.named_parameters())
+    some = [named["model.norm.weight"], named["lm_head.weight"], named["model.layers.0.self_attn.q_proj.bias"]]
+    eng, _, _, _ = engine.initialize(model=model, model_parameters=(p for p in some), config=GUIDE / "zero1.json",
+                                     training_args=args)
+    assert engine_groups(eng) == [(["lm_head.weight"], 0.1),
+                                  (["model.layers.0.self_attn.q_proj.bias", "model.norm.weight"], 0.0)]
+    model = tiny_llama()
+    groups = ({"params": (p for n, p in model.named_parameters() if "mlp" in n)},
+              {"params": [p for n, p in model.named_parameters() if "mlp" not in n], "weight_decay": 0.3})
+    eng, _, _, _ = engine.initialize(model=model, model_parameters=groups, config=GUIDE / "zero1.json",
+                                     training_args=args)
+    assert [wd for _, wd in engine_groups(eng)] == [0.1, 0.3]  # a group without weight_decay takes the argument
