@@ -25,6 +25,8 @@ stage  forward/backward                           boundary                      
 
 from __future__ import annotations
 
+import logging
+
 import torch
 from torch import nn
 
@@ -54,11 +56,41 @@ def _make_loss_scaler(cfg: EngineConfig):
     return make_loss_scaler(cfg.fp16) if cfg.fp16.enabled else None
 
 
-def _make_scheduler(cfg: EngineConfig, optimizer, client_scheduler):
+def _make_scheduler(cfg: EngineConfig, optimizer, client_scheduler, training_args=None,
+                    num_training_steps: int | None = None):
+    """The caller's scheduler, else the config's "scheduler" section, else (with ``training_args``) the one HF
+    Trainer creates from ``lr_scheduler_type`` (:func:`engine.hf_optim.trainer_scheduler`), else none."""
     if client_scheduler is not None:
         return client_scheduler(optimizer) if callable(client_scheduler) and not hasattr(
             client_scheduler, "step") else client_scheduler
+    if cfg.scheduler is None and training_args is not None:
+        from engine.hf_optim import trainer_scheduler
+        return trainer_scheduler(training_args, optimizer, num_training_steps)
     return build_scheduler(cfg.scheduler, optimizer)
+
+
+def _optimizer_source(cfg: EngineConfig, model: nn.Module, model_parameters, client_optimizer, training_args):
+    """``(model_parameters, optimizer section)``: the client optimizer's, the config's, or -- neither given, as HF
+    Trainer does -- AdamW from ``training_args`` with decay / no-decay groups (:mod:`engine.hf_optim`)."""
+    if client_optimizer is None and cfg.optimizer is None and training_args is not None:
+        from engine.hf_optim import trainer_optimizer
+        model_parameters, opt_cfg = trainer_optimizer(model, model_parameters, training_args)
+    else:
+        opt_cfg = client_optimizer_cfg(client_optimizer, cfg.optimizer)
+    if client_optimizer is not None or cfg.optimizer is None:
+        _note_force_ds_cpu_optimizer(cfg)
+    return model_parameters, opt_cfg
+
+
+def _note_force_ds_cpu_optimizer(cfg: EngineConfig) -> None:
+    """``zero_force_ds_cpu_optimizer`` (DeepSpeed default true) makes DeepSpeed refuse a client optimizer with
+    ``offload_optimizer`` because the client's step would run slowly on the CPU. The engine never runs the client's
+    optimizer object: it takes its hyper-parameters and runs its own flat AdamW over the offloaded partitions (what
+    DeepSpeedCPUAdam is to DeepSpeed), so there is nothing to refuse; the flag is accepted, and logged."""
+    if cfg.zero.offload_optimizer.enabled and cfg.zero_force_ds_cpu_optimizer:
+        logging.getLogger("engine.config").info(
+            "zero_force_ds_cpu_optimizer = true with offload_optimizer and a client/Trainer optimizer: accepted "
+            "(DeepSpeed would refuse it); the engine runs its own offloaded AdamW with that optimizer's settings")
 
 
 # -- parameter discovery ----------------------------------------------------------------------------------------
@@ -111,14 +143,17 @@ class Engine(nn.Module):
         self.placement = resolve_placement(self.config.zero, self.device)
         self.global_steps = self.global_samples = self.micro_steps = 0
         self._step_applied = False
+        model_parameters, opt_cfg = _optimizer_source(self.config, model, model_parameters, client_optimizer,
+                                                      training_args)
         self._setup_params(model_parameters, client_optimizer)
         self._setup_buffers()
         self.loss_scaler = _make_loss_scaler(self.config)
         self.optimizer = ShardedOptimizer(
-            self.mgr.masters, self.group_hparams, client_optimizer_cfg(client_optimizer, self.config.optimizer),
+            self.mgr.masters, self.group_hparams, opt_cfg,
             sharded=self.stage > 0, dp_world_size=self.ctx.world_size, comm_device=self.device,
             loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path)
-        self.lr_scheduler = _make_scheduler(self.config, self.optimizer, lr_scheduler)
+        self.lr_scheduler = _make_scheduler(self.config, self.optimizer, lr_scheduler, training_args,
+                                            num_training_steps)
         self.training_dataloader = self._dataloader(training_data, collate_fn) if training_data is not None else None
 
     # -- setup --------------------------------------------------------------------------------------------------
@@ -246,7 +281,14 @@ class Engine(nn.Module):
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:
+        if getattr(self, "_boundary_override", None) is not None:
+            return self._boundary_override
         return (self.micro_steps + 1) % self.gradient_accumulation_steps() == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool) -> None:
+        """DeepSpeed's: the caller says whether the next backward/step is the accumulation boundary (accelerate calls
+        it before every backward and calls :meth:`step` only at the boundary) instead of counting micro-steps."""
+        self._boundary_override = bool(is_boundary)
 
     def train_micro_batch_size_per_gpu(self) -> int:
         return int(self.config.train_micro_batch_size_per_gpu)
@@ -382,13 +424,24 @@ def client_optimizer_cfg(client_optimizer, config_optimizer):
     if client_optimizer is None:
         if config_optimizer is None:
             raise ValueError("no optimizer: add an \"optimizer\" section to the config (e.g. "
-                             "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}) or pass optimizer=")
+                             "{\"type\": \"AdamW\", \"params\": {\"lr\": 1e-4}}), pass optimizer=, or pass "
+                             "training_args= to build HF Trainer's AdamW from them")
         return config_optimizer
     name = type(client_optimizer).__name__
-    if name not in ("Adam", "AdamW"):
-        raise ValueError(f"client optimizer {name} is not supported; pass torch.optim.Adam/AdamW or use the config")
     d = client_optimizer.defaults
-    return {"type": name, "lr": d["lr"], "betas": d["betas"], "eps": d["eps"], "weight_decay": d["weight_decay"]}
+    if name in ("Adam", "AdamW"):  # torch's: Adam is L2-regularised, AdamW decoupled
+        adam_w = name == "AdamW"
+    elif name in ("DeepSpeedCPUAdam", "FusedAdam") and d.get("bias_correction", True):
+        # DeepSpeed's Adam kernels, e.g. accelerate's map_pytorch_optim_to_deepspeed of Trainer's AdamW when the
+        # optimizer is offloaded: AdamW unless adamw_mode=False
+        adam_w = bool(getattr(client_optimizer, "adam_w_mode", True))
+    else:
+        raise ValueError(f"client optimizer {name} is not supported; pass torch.optim.Adam/AdamW (or DeepSpeed's "
+                         "DeepSpeedCPUAdam/FusedAdam) or use the config")
+    if d.get("amsgrad"):
+        raise ValueError(f"client optimizer {name} has amsgrad=True, which the engine does not run; use amsgrad=False")
+    return {"type": "AdamW" if adam_w else "Adam", "adam_w_mode": adam_w, "lr": d["lr"],
+            "betas": d.get("betas", (0.9, 0.999)), "eps": d.get("eps", 1e-8), "weight_decay": d["weight_decay"]}
 
 
 def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_parameters=None,
@@ -400,6 +453,9 @@ def initialize(args=None, model: nn.Module | None = None, optimizer=None, model_
     with its field names) fills the config's "auto" values as HF Trainer does; ``num_training_steps`` is the total
     optimizer step count, needed for step-count "auto" values (warmup ratios, ``total_num_steps``) when
     ``training_args.max_steps <= 0``. The hidden-size "auto" values (ZeRO-3 bucket sizes) come from ``model.config``.
+    With ``training_args`` and no optimizer in the config nor ``optimizer=``, the optimizer is HF Trainer's AdamW
+    (decay / no-decay groups), and with no scheduler anywhere the scheduler is its ``lr_scheduler_type`` schedule
+    (:mod:`engine.hf_optim`), as transformers' DeepSpeed integration hands them to DeepSpeed.
     """
     if model is None:
         raise ValueError("initialize() needs model=")

@@ -518,6 +518,8 @@ def resolve(raw: dict[str, Any], *, training_args: Any = None, world_size: int =
     r.from_args("fp16.enabled", "training_args.fp16", lambda: bool(r.arg("fp16", none_ok=True)))
     r.from_args("bf16.enabled", "training_args.bf16", lambda: bool(r.arg("bf16", none_ok=True)))
     _resolve_zero(r)
+    if raw.get("steps_per_print") == math.inf:  # accelerate's _prepare_deepspeed sets it to silence DeepSpeed
+        r.pick("steps_per_print", None, "inf (accelerate's \"never\") -> null")
     return raw
 
 

@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler", "SCHEDULERS"]
+__all__ = ["WarmupLR", "WarmupDecayLR", "WarmupCosineLR", "build_scheduler", "SCHEDULERS", "HFSchedule", "HF_SCHEDULES"]
 
 WARMUP_TYPES = ("log", "linear")
 
@@ -224,3 +224,170 @@ def build_scheduler(sched_cfg: Any, optimizer: Any) -> WarmupLR | WarmupDecayLR 
     if kind not in SCHEDULERS:
         raise ValueError(f"scheduler type {kind!r} is not one of {sorted(SCHEDULERS)}")
     return SCHEDULERS[kind](optimizer, **params)
+
+
+# ---- HF Trainer's schedules (transformers.optimization.get_scheduler), formula for formula -------------------------
+#
+# What HF Trainer builds from ``lr_scheduler_type`` when the DeepSpeed config has no "scheduler" section: a torch
+# ``LambdaLR`` whose multiplier of step ``s`` (``last_epoch``) is below, ``w`` = warmup steps, ``T`` = total steps,
+# ``warm(s) = s / max(1, w)`` for ``s < w``. ``lr = base_lr * multiplier(s)``; construction takes step 0.
+
+def _warm(s: int, w: int) -> float:
+    return float(s) / float(max(1, w))
+
+
+def _progress(s: int, w: int, total: int) -> float:
+    return float(s - w) / float(max(1, total - w))
+
+
+def _constant(s: int, **_: Any) -> float:
+    return 1
+
+
+def _constant_with_warmup(s: int, *, w: int, **_: Any) -> float:
+    return float(s) / float(max(1.0, w)) if s < w else 1.0
+
+
+def _linear(s: int, *, w: int, total: int, **_: Any) -> float:
+    if s < w:
+        return _warm(s, w)
+    return max(0.0, float(total - s) / float(max(1, total - w)))
+
+
+def _cosine(s: int, *, w: int, total: int, num_cycles: float = 0.5, min_lr_rate: float = 0.0, **_: Any) -> float:
+    if s < w:
+        return _warm(s, w)
+    factor = 0.5 * (1.0 + math.cos(math.pi * float(num_cycles) * 2.0 * _progress(s, w, total)))
+    if min_lr_rate:
+        return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+    return max(0.0, factor)
+
+
+def _cosine_with_restarts(s: int, *, w: int, total: int, num_cycles: int = 1, **_: Any) -> float:
+    if s < w:
+        return _warm(s, w)
+    progress = _progress(s, w, total)
+    if progress >= 1.0:
+        return 0.0
+    return max(0.0, 0.5 * (1.0 + math.cos(math.pi * ((float(num_cycles) * progress) % 1.0))))
+
+
+def _polynomial(s: int, *, w: int, total: int, lr_init: float, lr_end: float = 1e-7, power: float = 1.0,
+                **_: Any) -> float:
+    if s < w:
+        return _warm(s, w)
+    if s > total:
+        return lr_end / lr_init
+    pct_remaining = 1 - (s - w) / (total - w)
+    return ((lr_init - lr_end) * pct_remaining ** power + lr_end) / lr_init
+
+
+def _inverse_sqrt(s: int, *, w: int, timescale: int | None = None, **_: Any) -> float:
+    if s < w:
+        return _warm(s, w)
+    timescale = timescale or w or 10_000  # HF: None -> num_warmup_steps or 10_000
+    return 1.0 / math.sqrt((s + timescale - w) / timescale)
+
+
+def _cosine_warmup_with_min_lr(s: int, *, w: int, total: int, num_cycles: float = 0.5, min_lr_rate: float = 0.0,
+                               warmup_lr_rate: float | None = None, **_: Any) -> float:
+    s_f, w_f, t_f = float(s), float(w), float(total)
+    if s_f < w_f:
+        if warmup_lr_rate is None:
+            return (s_f + 1.0) / max(1.0, w_f)
+        return float(warmup_lr_rate) + (1.0 - float(warmup_lr_rate)) * s_f / (max(1, w_f - 1))
+    progress = (s_f - w_f + 1.0) / (max(1.0, t_f - w_f))
+    factor = 0.5 * (1.0 + math.cos(math.pi * num_cycles * 2.0 * progress))
+    return max(0, factor * (1 - min_lr_rate) + min_lr_rate)
+
+
+# name -> (multiplier, needs warmup steps, needs total steps, accepted lr_scheduler_kwargs)
+HF_SCHEDULES: dict[str, tuple[Any, bool, bool, tuple[str, ...]]] = {
+    "constant": (_constant, False, False, ()),
+    "constant_with_warmup": (_constant_with_warmup, True, False, ()),
+    "linear": (_linear, True, True, ()),
+    "cosine": (_cosine, True, True, ("num_cycles",)),
+    "cosine_with_restarts": (_cosine_with_restarts, True, True, ("num_cycles",)),
+    "polynomial": (_polynomial, True, True, ("lr_end", "power")),
+    "inverse_sqrt": (_inverse_sqrt, True, False, ("timescale",)),
+    "cosine_with_min_lr": (_cosine, True, True, ("num_cycles", "min_lr", "min_lr_rate")),
+    "cosine_warmup_with_min_lr": (_cosine_warmup_with_min_lr, True, True,
+                                  ("num_cycles", "min_lr", "min_lr_rate", "warmup_lr_rate")),
+}
+
+
+class HFSchedule:
+    """HF Trainer's ``get_scheduler(name, ...)`` LambdaLR: ``lr = base_lr * multiplier(last_epoch)`` per group.
+
+    Stepped once per optimizer step like DeepSpeed's schedules (the engine skips it on an fp16 overflow, as
+    Trainer skips it when DeepSpeed reports a skipped step). ``state_dict()`` is JSON: the name, ``last_epoch`` and
+    ``base_lrs``; ``load_state_dict`` also takes a torch ``LambdaLR`` state (``last_epoch``, ``base_lrs``), and, as
+    LambdaLR, restores the position and base lrs but keeps the multiplier of the current arguments.
+    """
+
+    def __init__(self, optimizer: Any, name: str, *, num_warmup_steps: int = 0, num_training_steps: int | None = None,
+                 lr_init: float | None = None, **kwargs: Any) -> None:
+        if name not in HF_SCHEDULES:
+            raise ValueError(f"lr_scheduler_type={name!r} is not supported by the engine; use one of "
+                             f"{sorted(HF_SCHEDULES)} or a DeepSpeed \"scheduler\" section")
+        fn, _, needs_total, allowed = HF_SCHEDULES[name]
+        stray = sorted(set(kwargs) - set(allowed))
+        if stray:
+            raise ValueError(f"lr_scheduler_kwargs {stray} are not taken by lr_scheduler_type={name!r} "
+                             f"(it takes {list(allowed) or 'none'})")
+        if needs_total and num_training_steps is None:
+            raise ValueError(f"lr_scheduler_type={name!r} needs the total step count")
+        self.optimizer, self.name = optimizer, name
+        self._groups = _param_groups(optimizer)
+        self.base_lrs = [g["lr"] for g in self._groups]
+        self.params = {"w": int(num_warmup_steps), "total": num_training_steps,
+                       **_hf_kwargs(name, kwargs, self.base_lrs[0] if lr_init is None else lr_init)}
+        self._fn = fn
+        self.last_epoch = -1
+        self.step()  # LambdaLR's construction step: writes the step-0 lr
+
+    def multiplier(self, step: int) -> float:
+        return self._fn(step, **self.params)
+
+    def get_lr(self) -> list[float]:
+        factor = self.multiplier(self.last_epoch)
+        return [base_lr * factor for base_lr in self.base_lrs]
+
+    def step(self, last_batch_iteration: int | None = None) -> None:
+        self.last_epoch = self.last_epoch + 1 if last_batch_iteration is None else int(last_batch_iteration)
+        self._last_lr = _write_lrs(self._groups, self.get_lr())
+
+    def get_last_lr(self) -> list[Any]:
+        return self._last_lr
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"type": type(self).__name__, "name": self.name, "last_epoch": int(self.last_epoch),
+                "base_lrs": [float(lr) for lr in self.base_lrs]}
+
+    def load_state_dict(self, state: Mapping[str, Any]) -> None:
+        kind = state.get("type", type(self).__name__ if "last_epoch" in state else None)
+        if kind != type(self).__name__:
+            raise ValueError(f"scheduler state is for {kind or 'a DeepSpeed schedule'}, not an HF Trainer schedule "
+                             f"({self.name!r}); load with load_lr_scheduler_states=False or use the same scheduler")
+        self.last_epoch = int(state["last_epoch"])
+        if state.get("base_lrs") is not None:
+            self.base_lrs = [float(lr) for lr in state["base_lrs"]]
+        self._last_lr = _write_lrs(self._groups, self.get_lr())
+
+
+def _hf_kwargs(name: str, kwargs: dict[str, Any], lr_init: float) -> dict[str, Any]:
+    """get_scheduler's scheduler-specific arguments, with its checks (min_lr -> min_lr_rate; polynomial's lr_end)."""
+    out = dict(kwargs)
+    if name in ("cosine_with_min_lr", "cosine_warmup_with_min_lr"):
+        min_lr, rate = out.pop("min_lr", None), out.pop("min_lr_rate", None)
+        if min_lr is not None and rate is not None:
+            raise ValueError("lr_scheduler_kwargs: only one of min_lr or min_lr_rate may be set")
+        if min_lr is None and rate is None:
+            raise ValueError(f"lr_scheduler_type={name!r} needs min_lr or min_lr_rate in lr_scheduler_kwargs")
+        out["min_lr_rate"] = min_lr / lr_init if min_lr is not None else rate
+    if name == "polynomial":
+        out["lr_init"] = lr_init
+        if not lr_init > out.get("lr_end", 1e-7):
+            raise ValueError(f"lr_scheduler_kwargs lr_end ({out.get('lr_end', 1e-7)}) must be smaller than the "
+                             f"initial lr ({lr_init})")
+    return out
