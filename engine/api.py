@@ -22,7 +22,8 @@ stage  forward/backward                           boundary                      
        per unit as its grads complete
 =====  =========================================  ==================================  =========================
 
-(*) overlapped with the step: bucket k's all-gathers run while bucket k+1 is stepped (:mod:`engine.zero.flat`).
+(*) with ``overlap_comm``, overlapped with the step: bucket k's all-gathers run while bucket k+1 is stepped
+(:mod:`engine.zero.flat`).
 """
 
 from __future__ import annotations

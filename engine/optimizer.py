@@ -22,7 +22,8 @@ Bucketed step (stages 1/2, :meth:`engine.zero.flat.FlatParamManager.step_buckets
 bucket by bucket -- each :class:`StepBucket` names ranges of the master partitions; once they are updated its
 ``done()`` casts them into the compute-dtype parameters and issues their all-gathers asynchronously, so bucket k's
 all-gather is in flight while bucket k+1 is stepped. Adam is elementwise: the same kernels on slices give the same
-bits as on the whole partition; the ``step`` counter is advanced once, after the last bucket.
+bits as on the whole partition (the inner optimizer steps views of the masters and of its state); the ``step``
+counter is advanced once, after the last bucket.
 """
 
 from __future__ import annotations
@@ -34,7 +35,6 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
-from torch.optim.adam import adam as adam_functional
 
 from engine import comm
 from engine.offload import NvmeStateSwapper
@@ -203,29 +203,35 @@ class ShardedOptimizer:
 
     @torch.no_grad()
     def _bucketed_step(self, buckets: Sequence[StepBucket]) -> None:
-        """``inner.step()``, bucket by bucket: torch's own state initialisation (``_init_group``) and functional
-        Adam on slices of the masters, gradients and moments, with the group's options; each call advances a copy
-        of the ``step`` counter, the counter itself is advanced once at the end (as ``inner.step()`` would)."""
-        per_group = []
-        for group in self.inner.param_groups:
-            params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = [], [], [], [], [], []
-            has_complex = self.inner._init_group(group, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps)
-            per_group.append((group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps))
-        for bucket in buckets:
-            for g, lo, hi in bucket.ranges:
-                group, has_complex, params, grads, exp_avgs, exp_avg_sqs, max_sqs, steps = per_group[g]
-                beta1, beta2 = group["betas"]
-                adam_functional(
-                    [t[lo:hi] for t in params], [t[lo:hi] for t in grads], [t[lo:hi] for t in exp_avgs],
-                    [t[lo:hi] for t in exp_avg_sqs], [t[lo:hi] for t in max_sqs], [t.clone() for t in steps],
-                    amsgrad=group["amsgrad"], has_complex=has_complex, beta1=beta1, beta2=beta2, lr=group["lr"],
-                    weight_decay=group["weight_decay"], eps=group["eps"], maximize=group["maximize"],
-                    foreach=group["foreach"], capturable=group["capturable"], differentiable=group["differentiable"],
-                    fused=group["fused"], decoupled_weight_decay=group.get(
-                        "decoupled_weight_decay", isinstance(self.inner, torch.optim.AdamW)))
-            bucket.done()
-        for *_, steps in per_group:
-            torch._foreach_add_(steps, 1)
+        """``inner.step()`` once per bucket, on slices: the masters' state is initialised as torch does
+        (``_init_group``); then each bucket's groups hold detached views of its master ranges, with the matching
+        slices of the gradients and moments as their ``.grad`` and state and a copy of the ``step`` counter, which is
+        advanced once at the end. The update runs through ``inner.step()`` with the group's options, as always."""
+        inner, groups = self.inner, self.inner.param_groups
+        for group in groups:
+            inner._init_group(group, [], [], [], [], [], [])
+        states = [inner.state[m] for m in self.masters]
+        whole = [group["params"] for group in groups]
+        try:
+            for bucket in buckets:
+                for group in groups:
+                    group["params"] = []
+                views = []
+                for g, lo, hi in bucket.ranges:
+                    view = self.masters[g].detach()[lo:hi]
+                    view.grad = self.masters[g].grad[lo:hi]
+                    inner.state[view] = {k: t.clone() if k == "step" else t[lo:hi] for k, t in states[g].items()}
+                    groups[g]["params"].append(view)
+                    views.append(view)
+                inner.step()
+                for view in views:
+                    del inner.state[view]
+                bucket.done()
+        finally:
+            for group, params in zip(groups, whole):
+                group["params"] = params
+        for state in states:
+            state["step"] += 1
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Gradients are owned by the engine (zeroed after every step); kept for API compatibility."""

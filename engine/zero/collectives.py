@@ -26,8 +26,8 @@ from typing import Any, Callable, NamedTuple
 
 from engine import comm
 
-#: Environment switch for the stages 1-2 post-step all-gather overlap (A/B measurements): "0" turns it off, i.e.
-#: one whole optimizer step, then the synchronous all-gathers, as before the overlap existed. Results are the same bits.
+#: Environment switch for the stages 1-2 post-step all-gather overlap (on with ``overlap_comm``), for A/B measurements:
+#: "0" turns it off -- one whole optimizer step, then synchronous all-gathers, as before. Results are the same bits.
 STEP_OVERLAP_ENV = "ENGINE_STEP_ALLGATHER_OVERLAP"
 
 

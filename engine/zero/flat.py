@@ -16,8 +16,8 @@ Communication phases per optimizer step
      packed (each ``param.grad`` freed as soon as it is copied), reduce-scattered into the store. Units not
      completed by the end of backward (unused parameters) are flushed in unit order by :meth:`after_backward`.
 3. after the optimizer step: the rank's updated fp32 slice is cast into its slice of ``full[u]`` and all-gathered
-   (one all-gather per unit; none for stage 0, whose "partition" is the whole model). Stages 1/2 overlap these with
-   the step (:meth:`FlatParamManager.step_buckets`): units are grouped into buckets of at most
+   (one all-gather per unit; none for stage 0, whose "partition" is the whole model). Stages 1/2 with
+   ``overlap_comm`` overlap these with the step (:meth:`FlatParamManager.step_buckets`): units are grouped into buckets of at most
    ``allgather_bucket_size`` elements in unit order; the optimizer steps one bucket's master slices, then the
    bucket's slices are cast and its all-gathers issued asynchronously, and the next bucket is stepped while they run
    (on NCCL they run on the communication stream beside the step's kernels; on gloo on gloo's worker thread). The
@@ -144,8 +144,9 @@ class FlatParamManager:
         self._reductions = CollectiveQueue()  # gradient reductions in flight (overlap_comm)
         # post-step all-gathers overlapped with the step (stages 1/2, world > 1): see step_buckets
         self.allgather_bucket_size = max(int(allgather_bucket_size), 1)
-        self.step_overlap = (step_overlap_enabled() if step_overlap is None else step_overlap) and stage > 0 \
-            and table.world_size > 1
+        # (overlap_comm, like stage 3's: off means every collective is synchronous)
+        self.step_overlap = overlap_comm and (step_overlap_enabled() if step_overlap is None else step_overlap) \
+            and stage > 0 and table.world_size > 1
         self._gathers = CollectiveQueue()
         self._gathered: set[int] = set()  # units cast and all-gathered during this step
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
@@ -282,7 +283,8 @@ class FlatParamManager:
     def step_buckets(self) -> list[StepBucket] | None:
         """The optimizer step in all-gather buckets (see module doc): consecutive units up to
         ``allgather_bucket_size`` padded elements (at least one unit each), their master ranges merged per group;
-        ``done()`` casts and all-gathers them. ``None`` when nothing would overlap (stage 0, one rank, switched off)."""
+        ``done()`` casts and all-gathers them. ``None`` when nothing would overlap (stage 0, one rank, no
+        ``overlap_comm``, ``ENGINE_STEP_ALLGATHER_OVERLAP=0``)."""
         if not self.step_overlap:
             return None
         buckets, current, size = [], [], 0

@@ -4,7 +4,7 @@
   leaves masters and Adam state bit-identical to the whole step, for AdamW and Adam (L2), several groups, odd ranges;
   buckets that do not tile the masters fall back to the whole step without calling ``done()``.
 * One spawned world of 2 gloo ranks trains the toy model at stages 1 and 2 (fp32 and bf16, gradient accumulation,
-  clipping, small buckets so there are several all-gather buckets) with the overlap on and off
+  clipping, small buckets so there are several all-gather buckets; ``overlap_comm``) with the step overlap on and off
   (``ENGINE_STEP_ALLGATHER_OVERLAP``): losses, fp32 masters and the compute parameters are bit-identical, and with
   the overlap on, each bucket after the first is stepped while the previous bucket's all-gathers are in flight.
 """
@@ -109,7 +109,7 @@ def run_settings(rank: int, world_size: int, out: Path, names: list[str]) -> Non
         stage, dtype, mode = SETTINGS[name]
         os.environ[STEP_OVERLAP_ENV] = "1" if mode == "overlap" else "0"
         cfg = ds_config(stage, gas=2, clip=0.5, dtype=dtype, lr=1e-3 if dtype == "bf16" else 1e-2, bucket=40,
-                        extra_zero={"allgather_bucket_size": 100})
+                        extra_zero={"allgather_bucket_size": 100, "overlap_comm": True})
         model = build_model(0)
         eng, _, _, _ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         log: list[int] = []
