@@ -278,6 +278,11 @@ def main_train(a) -> None:
     psi = sum(p.numel() for p in base.parameters())
     build_s = time.perf_counter() - t_start
     nvme_root = Path(a.nvme_path) if a.nvme_path else Path(tempfile.gettempdir()) / "memory_ladder_nvme"
+    meta = {"params": psi, "params_M": round(psi / 1e6, 1), "world": world, "layers": a.layers, "hidden": a.hidden,
+            "seq": a.seq, "mbs": a.mbs, "bucket": a.bucket, "dtype": "fp32" if a.cpu else "bf16",
+            "device": "cpu (gloo)" if a.cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
+            "deepspeed": getattr(libs.get("deepspeed"), "__version__", None), "model_build_s": round(build_s, 1),
+            "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     rows = []
     for run in plan(a):
         try:
@@ -286,17 +291,12 @@ def main_train(a) -> None:
             row = {**run, "error": f"{type(exc).__name__}: {exc}"[:400]}
             _free(a)
         rows.append(row)
-        if rank == 0:
+        meta["total_s"] = round(time.perf_counter() - t_start, 1)
+        if rank == 0:  # rewritten after every run: a launch cut short still leaves its rows
             print(json.dumps(row), flush=True)
+            Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         dist.barrier()
-    meta = {"params": psi, "params_M": round(psi / 1e6, 1), "world": world, "layers": a.layers, "hidden": a.hidden,
-            "seq": a.seq, "mbs": a.mbs, "bucket": a.bucket, "dtype": "fp32" if a.cpu else "bf16",
-            "device": "cpu (gloo)" if a.cpu else torch.cuda.get_device_name(), "torch": torch.__version__,
-            "deepspeed": getattr(libs.get("deepspeed"), "__version__", None), "model_build_s": round(build_s, 1),
-            "total_s": round(time.perf_counter() - t_start, 1), "argv": sys.argv[1:],
-            "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     if rank == 0:
-        Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
         print(f"wrote {a.out} ({meta['total_s']} s)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
