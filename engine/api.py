@@ -294,6 +294,16 @@ class Engine(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are zeroed by :meth:`step`; kept for API compatibility."""
 
+    def destroy(self) -> None:
+        """Detach the engine from the model (DeepSpeed's ``destroy``): wait for an asynchronous save, remove the
+        ZeRO manager's hooks. The hooks' closures hold the manager, and the parameters hold the hooks in C++, a cycle
+        Python's garbage collector cannot see: without this, a dropped stage 2/3 engine keeps its buffers alive."""
+        if getattr(self, "_saver", None) is not None:
+            self._saver.wait()
+        for handle in getattr(self.mgr, "_hooks", []):
+            handle.remove()
+        self.mgr._hooks = []
+
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def _checkpoint_view(self):
         """What the checkpoint code sees of this engine (:class:`engine.checkpoint.CheckpointView`)."""

@@ -22,7 +22,7 @@ def ladder(result: dict) -> tuple[list[str], dict]:
     """Rungs in order and ``{(rung, impl): row}`` of the main rows (the step overlap on, the default bucket)."""
     rungs, rows = [], {}
     for row in result["rows"]:
-        if not row.get("step_overlap", True) or row.get("bucket") != result["meta"]["bucket"]:
+        if row.get("ab"):
             continue
         if row["rung"] not in rungs:
             rungs.append(row["rung"])
@@ -44,7 +44,7 @@ def _fmt(v) -> str:
 
 def markdown_table(result: dict) -> str:
     """Every row of the result as a markdown table (the A/B rows included)."""
-    cols = ["rung", "impl", "bucket", "step_overlap", "formula_GiB", "peak_alloc_GiB", "peak_reserved_GiB",
+    cols = ["rung", "impl", "ab", "bucket", "step_overlap", "formula_GiB", "peak_alloc_GiB", "peak_reserved_GiB",
             "after_step_GiB", "step_s", "opt_step_s", "tokens_per_s"]
     lines = ["| " + " | ".join(cols) + " | note |", "|" + "---|" * (len(cols) + 1)]
     for row in result["rows"]:

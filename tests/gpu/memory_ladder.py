@@ -17,8 +17,10 @@ CPU-built model (stage 3 without ``zero.Init``, so every rung starts alike), on 
 processes: warm-up steps, then measured steps. Between runs everything is freed (``gc``, ``empty_cache``) and the
 peak statistics reset. Per row (max over ranks): ``peak_alloc_GiB`` / ``peak_reserved_GiB`` (training steps only),
 ``init_peak_GiB`` (during ``initialize``), ``after_init_GiB`` and ``after_step_GiB`` (allocated: the resident model
-states), ``baseline_GiB`` (allocated before the run: what earlier runs leaked), ``step_s`` (median forward + backward +
-step), ``opt_step_s`` (median of ``engine.step()`` alone: where the stages 1/2 all-gathers are), ``tokens_per_s``.
+states), ``step_s`` (median forward + backward + step), ``opt_step_s`` (median of ``engine.step()`` alone: where the
+stages 1/2 all-gathers are), ``tokens_per_s``. Memory figures are this run's own: what was still allocated (reserved)
+before it started, ``baseline_GiB`` (``baseline_reserved_GiB``) -- memory an earlier run failed to free (DeepSpeed's
+stage 3 engine keeps some after ``destroy()``) -- is subtracted; ``raw_peak_alloc_GiB`` is the allocator's figure.
 
 ``formula_GiB``: the ZeRO paper's model states per GPU for Psi parameters on N ranks, 16-bit parameters (2 Psi) and
 gradients (2 Psi) and fp32 Adam state (K Psi, K = 12: master, momentum, variance), each whole, divided by N or
@@ -26,7 +28,8 @@ moved off the GPU by the rung: 0: 2+2+12; 1: 2+2+12/N; 2: 2+(2+12)/N; 3: (2+2+12
 gradients and optimizer on the CPU); 3+opt+param: 0. Activations, buffers and communication buckets come on top.
 
 ``--ab``: also runs the engine at stages 1 and 2 with the post-step all-gather overlap off
-(``ENGINE_STEP_ALLGATHER_OVERLAP=0``), and both ways at ``--ab-bucket`` (smaller buckets: more units, more overlap).
+(``ENGINE_STEP_ALLGATHER_OVERLAP=0``), and both ways at ``--ab-bucket`` (smaller buckets: more units, more overlap);
+the A/B rows measure ``--ab-steps`` steps.
 """
 
 from __future__ import annotations
@@ -78,6 +81,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--offload-steps", type=int, default=2)
     p.add_argument("--ab", action="store_true", help="also stages 1/2 without the step overlap, and at --ab-bucket")
     p.add_argument("--ab-bucket", type=float, default=5e7)
+    p.add_argument("--ab-steps", type=int, default=20, help="measured steps of the A/B rows")
     p.add_argument("--nvme-path", default="", help="folder for the nvme rung (default: a temp dir)")
     a = p.parse_args()
     if a.tiny:
@@ -124,9 +128,10 @@ def plan(a) -> list[dict]:
         for impl in impls:
             runs.append({"rung": rung, "impl": impl, "bucket": a.bucket, "step_overlap": True})
         if a.ab and "engine" in impls and RUNGS[rung][0] in (1, 2):
-            runs.append({"rung": rung, "impl": "engine", "bucket": a.bucket, "step_overlap": False})
-            for overlap in (True, False):
-                runs.append({"rung": rung, "impl": "engine", "bucket": a.ab_bucket, "step_overlap": overlap})
+            for bucket in (a.bucket, a.ab_bucket):
+                for overlap in (False, True):
+                    runs.append({"rung": rung, "impl": "engine", "bucket": bucket, "step_overlap": overlap,
+                                 "ab": True})
     return runs
 
 
@@ -138,6 +143,10 @@ def _sync(a) -> None:
 
 def _allocated() -> float:
     return torch.cuda.memory_allocated() / GIB if torch.cuda.is_available() else float("nan")
+
+
+def _reserved() -> float:
+    return torch.cuda.memory_reserved() / GIB if torch.cuda.is_available() else float("nan")
 
 
 def _free(a) -> None:
@@ -182,7 +191,7 @@ def train(a, eng, steps: int, device) -> tuple[list[float], list[float], float]:
         t2 = time.perf_counter()
         times.append(t2 - t0)
         opt_times.append(t2 - t1)
-    return times, opt_times, float(loss)
+    return times, opt_times, float(loss.detach())
 
 
 def run_one(a, run: dict, base_model, libs: dict, nvme_root: Path, psi: int) -> dict:
@@ -196,7 +205,7 @@ def run_one(a, run: dict, base_model, libs: dict, nvme_root: Path, psi: int) -> 
         nvme.mkdir(parents=True, exist_ok=True)
     os.environ[OVERLAP_ENV] = "1" if run["step_overlap"] else "0"
     _free(a)
-    baseline = _allocated()
+    baseline, baseline_reserved = _allocated(), _reserved()
     cfg = ds_config(a, rung, impl, str(nvme), run["bucket"])
     model = copy.deepcopy(base_model)
     t = time.perf_counter()
@@ -211,21 +220,22 @@ def run_one(a, run: dict, base_model, libs: dict, nvme_root: Path, psi: int) -> 
     if not a.cpu:
         torch.cuda.reset_peak_memory_stats()
     offload = RUNGS[rung][1] is not None
-    steps = a.offload_steps if offload else a.steps
+    steps = a.offload_steps if offload else a.ab_steps if run.get("ab") else a.steps
     warmup = min(a.warmup, 1) if offload else a.warmup
     times, opt_times, loss = train(a, eng, warmup + steps, device)
     peak = torch.cuda.max_memory_allocated() / GIB if not a.cpu else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GIB if not a.cpu else float("nan")
     after_step = _allocated()
-    figures = _max_over_ranks([peak, reserved, init_peak, after_init, after_step, baseline,
+    figures = _max_over_ranks([peak - baseline, reserved - baseline_reserved, init_peak - baseline,
+                               after_init - baseline, after_step - baseline, baseline, baseline_reserved, peak,
                                statistics.median(times[warmup:]), statistics.median(opt_times[warmup:]), init_s],
                               device)
     names = ["peak_alloc_GiB", "peak_reserved_GiB", "init_peak_GiB", "after_init_GiB", "after_step_GiB",
-             "baseline_GiB", "step_s", "opt_step_s", "init_s"]
+             "baseline_GiB", "baseline_reserved_GiB", "raw_peak_alloc_GiB", "step_s", "opt_step_s", "init_s"]
     row.update({k: (round(v, 4) if v is not None else None) for k, v in zip(names, figures)})
     row["tokens_per_s"] = round(world * a.mbs * a.seq / row["step_s"])
     row["loss"] = round(loss, 4)
-    if hasattr(eng, "destroy"):  # DeepSpeed: remove its ZeRO-3 hooks
+    if hasattr(eng, "destroy"):  # both remove their hooks (which would keep the engine alive)
         eng.destroy()
     del eng, model
     _free(a)
