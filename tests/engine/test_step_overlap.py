@@ -6,7 +6,8 @@
 * One spawned world of 2 gloo ranks trains the toy model at stages 1 and 2 (fp32 and bf16, gradient accumulation,
   clipping, small buckets so there are several all-gather buckets; ``overlap_comm``) with the step overlap on and off
   (``ENGINE_STEP_ALLGATHER_OVERLAP``): losses, fp32 masters and the compute parameters are bit-identical, and with
-  the overlap on, each bucket after the first is stepped while the previous bucket's all-gathers are in flight.
+  the overlap on, each bucket after the first is stepped while the previous bucket's all-gathers are in flight;
+  and a stage 2/3 engine is freed once ``destroy()`` removed its hooks.
 """
 
 from __future__ import annotations
@@ -128,6 +129,26 @@ def run_settings(rank: int, world_size: int, out: Path, names: list[str]) -> Non
         (out / f"{name}.rank{rank}.json").write_text(json.dumps({
             "losses": losses, "in_flight_at_done": log, "units": len(eng.table.units),
             "left": len(eng.mgr._gathers)}))
+    (out / f"freed.rank{rank}.json").write_text(json.dumps({stage: _freed_after_destroy(stage) for stage in (2, 3)}))
+
+
+def _freed_after_destroy(stage: int) -> bool:
+    """A dropped engine is garbage once ``destroy()`` removed its hooks (they hold the manager in C++)."""
+    import gc
+    import weakref
+
+    import engine
+
+    model = build_model(0)
+    eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config(stage))
+    loss = eng(*micro_batch(batches(1, 4)[0], 0, 0, 2, 2))
+    eng.backward(loss)
+    eng.step()
+    ref = weakref.ref(eng.mgr)
+    eng.destroy()
+    del eng, model, loss, _
+    gc.collect()
+    return ref() is None
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +159,14 @@ def results(tmp_path_factory):
     def get(name, rank):
         return (json.loads((out / f"{name}.rank{rank}.json").read_text()),
                 load_file(str(out / f"{name}.rank{rank}.safetensors")))
+    get.out = out
     return get
+
+
+def test_destroyed_engine_is_freed(results):
+    out = results.out
+    for rank in range(2):
+        assert json.loads((out / f"freed.rank{rank}.json").read_text()) == {"2": True, "3": True}
 
 
 @pytest.mark.parametrize("name", [n for n in SETTINGS if n.endswith("_overlap")])
