@@ -49,7 +49,8 @@ def markdown_table(result: dict) -> str:
     lines = ["| " + " | ".join(cols) + " | note |", "|" + "---|" * (len(cols) + 1)]
     for row in result["rows"]:
         note = row.get("skipped") or row.get("error") or row.get("note") or ""
-        cells = [f"{row.get(c):.0e}" if c == "bucket" else _fmt(row.get(c)) for c in cols]
+        cells = [f"{row.get(c):.0e}" if c == "bucket" else f"{row[c]:.4f}" if c.endswith("_s") and row.get(c)
+                 else "yes" if row.get(c) is True else "no" if row.get(c) is False else _fmt(row.get(c)) for c in cols]
         lines.append("| " + " | ".join(cells) + f" | {note} |")
     return "\n".join(lines)
 
