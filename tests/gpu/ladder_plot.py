@@ -22,7 +22,7 @@ def ladder(result: dict) -> tuple[list[str], dict]:
     """Rungs in order and ``{(rung, impl): row}`` of the main rows (the step overlap on, the default bucket)."""
     rungs, rows = [], {}
     for row in result["rows"]:
-        if row.get("ab"):
+        if row.get("ab") or row.get("bitcheck"):
             continue
         if row["rung"] not in rungs:
             rungs.append(row["rung"])
@@ -43,15 +43,32 @@ def _fmt(v) -> str:
 
 
 def markdown_table(result: dict) -> str:
-    """Every row of the result as a markdown table (the A/B rows included)."""
+    """Every row of the result as a markdown table (the A/B rows included; the bit checks: ``bitcheck_table``)."""
     cols = ["rung", "impl", "ab", "bucket", "step_overlap", "formula_GiB", "peak_alloc_GiB", "peak_reserved_GiB",
             "after_step_GiB", "step_s", "opt_step_s", "tokens_per_s"]
     lines = ["| " + " | ".join(cols) + " | note |", "|" + "---|" * (len(cols) + 1)]
     for row in result["rows"]:
+        if row.get("bitcheck"):
+            continue
         note = row.get("skipped") or row.get("error") or row.get("note") or ""
-        cells = [f"{row.get(c):.0e}" if c == "bucket" else f"{row[c]:.4f}" if c.endswith("_s") and row.get(c)
+        cells = [f"{row.get(c):.0e}" if c == "bucket" else f"{row[c]:.4f}" if c.endswith("_s") and c != "tokens_per_s" and row.get(c)
                  else "yes" if row.get(c) is True else "no" if row.get(c) is False else _fmt(row.get(c)) for c in cols]
         lines.append("| " + " | ".join(cells) + f" | {note} |")
+    return "\n".join(lines)
+
+
+def bitcheck_table(result: dict) -> str:
+    """The ``--bitcheck`` rows: per stage and rank, the digests of the runs overlap off / on / off."""
+    lines = ["| stage | rank | overlap off | on | off again | on == off |", "|---|---|---|---|---|---|"]
+    runs: dict = {}
+    for row in result["rows"]:
+        if row.get("bitcheck"):
+            runs.setdefault((row["rung"], row["rank"]), []).append(row)
+    for (stage, rank), rs in sorted(runs.items()):
+        cells = [f"{r['masters_sha256']} / {r['params_sha256']}" for r in rs]
+        same = [(r["masters_sha256"], r["params_sha256"]) for r in rs]
+        verdict = "yes" if same[1] == same[0] else "no (control differs too)" if same[0] != same[2] else "NO"
+        lines.append(f"| {stage} | {rank} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines)
 
 

@@ -29,7 +29,10 @@ gradients and optimizer on the CPU); 3+opt+param: 0. Activations, buffers and co
 
 ``--ab``: also runs the engine at stages 1 and 2 with the post-step all-gather overlap off
 (``ENGINE_STEP_ALLGATHER_OVERLAP=0``), and both ways at ``--ab-bucket`` (smaller buckets: more units, more overlap);
-the A/B rows measure ``--ab-steps`` steps.
+the A/B rows measure ``--ab-steps`` steps. ``--bitcheck``: the engine at stages 1 and 2 trains ``--bitcheck-steps``
+steps three times -- overlap off, on, off -- under ``torch.use_deterministic_algorithms``, and each row carries the
+sha256 of this rank's fp32 masters and of its full compute-dtype parameters: on must equal off (the second off run is
+the control for nondeterminism left in the kernels).
 """
 
 from __future__ import annotations
@@ -82,6 +85,8 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--ab", action="store_true", help="also stages 1/2 without the step overlap, and at --ab-bucket")
     p.add_argument("--ab-bucket", type=float, default=5e7)
     p.add_argument("--ab-steps", type=int, default=20, help="measured steps of the A/B rows")
+    p.add_argument("--bitcheck", action="store_true", help="stages 1/2: overlap on vs off, bitwise (deterministic)")
+    p.add_argument("--bitcheck-steps", type=int, default=3)
     p.add_argument("--nvme-path", default="", help="folder for the nvme rung (default: a temp dir)")
     a = p.parse_args()
     if a.tiny:
@@ -243,6 +248,33 @@ def run_one(a, run: dict, base_model, libs: dict, nvme_root: Path, psi: int) -> 
     return row
 
 
+def bitcheck(a, base_model, lib, stage: int, overlap: bool) -> dict:
+    """Train ``--bitcheck-steps`` deterministic steps; sha256 of the fp32 masters and full parameters."""
+    import hashlib
+
+    os.environ[OVERLAP_ENV] = "1" if overlap else "0"
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    try:
+        _free(a)
+        cfg = ds_config(a, str(stage), "engine", "", a.bucket)
+        model = copy.deepcopy(base_model)
+        eng, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        _, _, loss = train(a, eng, a.bitcheck_steps, torch.device("cpu") if a.cpu else torch.device("cuda"))
+        digests = {}
+        for name, tensors in (("masters", eng.optimizer.masters), ("params", eng.mgr.full)):
+            h = hashlib.sha256()
+            for t in tensors:
+                h.update(t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+            digests[f"{name}_sha256"] = h.hexdigest()[:16]
+        eng.destroy()
+        del eng, model
+        _free(a)
+    finally:
+        torch.use_deterministic_algorithms(False)
+    return {"rung": str(stage), "impl": "engine", "bitcheck": True, "step_overlap": overlap, "bucket": a.bucket,
+            "rank": dist.get_rank(), "loss": round(loss, 6), **digests}
+
+
 # -- the launch ---------------------------------------------------------------------------------------------------------
 def _init_dist(a, impls: list[str]) -> dict:
     backend = "gloo" if a.cpu else "nccl"
@@ -294,6 +326,15 @@ def main_train(a) -> None:
             "deepspeed": getattr(libs.get("deepspeed"), "__version__", None), "model_build_s": round(build_s, 1),
             "argv": sys.argv[1:], "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime())}
     rows = []
+    if a.bitcheck and "engine" in libs:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        for stage in (1, 2):
+            for overlap in (False, True, False):
+                per_rank = [None] * world
+                dist.all_gather_object(per_rank, bitcheck(a, base, libs["engine"], stage, overlap))
+                rows += per_rank
+                if rank == 0:
+                    print(json.dumps(per_rank), flush=True)
     for run in plan(a):
         try:
             row = run_one(a, run, base, libs, nvme_root, psi)
