@@ -3,7 +3,8 @@
 Who uses it
 -----------
 * stages 0-2 (:mod:`engine.zero.flat`): the per-unit gradient reductions (all-reduce / reduce-scatter) with
-  ``overlap_comm``, and the post-step all-gathers of the updated parameter slices (:meth:`FlatParamManager.step_buckets`);
+  ``overlap_comm``, and the post-step all-gathers of the updated parameter slices
+  (:meth:`~engine.zero.flat.FlatParamManager.step_buckets`);
 * stage 3 (:mod:`engine.zero.stage3`): the per-unit gradient reduce-scatters issued during backward.
 
 Protocol

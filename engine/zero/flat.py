@@ -17,9 +17,10 @@ Communication phases per optimizer step
      completed by the end of backward (unused parameters) are flushed in unit order by :meth:`after_backward`.
 3. after the optimizer step: the rank's updated fp32 slice is cast into its slice of ``full[u]`` and all-gathered
    (one all-gather per unit; none for stage 0, whose "partition" is the whole model). Stages 1/2 with
-   ``overlap_comm`` overlap these with the step (:meth:`FlatParamManager.step_buckets`): units are grouped into buckets of at most
-   ``allgather_bucket_size`` elements in unit order; the optimizer steps one bucket's master slices, then the
-   bucket's slices are cast and its all-gathers issued asynchronously, and the next bucket is stepped while they run
+   ``overlap_comm`` overlap these with the step (:meth:`FlatParamManager.step_buckets`): units are grouped into
+   buckets of at most ``allgather_bucket_size`` elements in unit order; the optimizer steps one bucket's master
+   slices, then they are cast and the bucket's all-gathers issued asynchronously, and the next bucket is stepped
+   while they run
    (on NCCL they run on the communication stream beside the step's kernels; on gloo on gloo's worker thread). The
    handles go through the shared :class:`~engine.zero.collectives.CollectiveQueue` (oldest waited once more than a
    bucket's worth is in flight), and :meth:`FlatParamManager.update_params` waits for the rest before the step

@@ -42,6 +42,18 @@ def _fmt(v) -> str:
     return "" if v is None else f"{v:.2f}" if isinstance(v, float) else str(v)
 
 
+def _cell(column: str, v) -> str:
+    if v is None:
+        return ""
+    if column == "bucket":
+        return f"{v:.0e}"
+    if isinstance(v, bool):
+        return "yes" if v else "no"
+    if column.endswith("_s") and column != "tokens_per_s":
+        return f"{v:.4f}"
+    return _fmt(v)
+
+
 def markdown_table(result: dict) -> str:
     """Every row of the result as a markdown table (the A/B rows included; the bit checks: ``bitcheck_table``)."""
     cols = ["rung", "impl", "ab", "bucket", "step_overlap", "formula_GiB", "peak_alloc_GiB", "peak_reserved_GiB",
@@ -51,8 +63,7 @@ def markdown_table(result: dict) -> str:
         if row.get("bitcheck"):
             continue
         note = row.get("skipped") or row.get("error") or row.get("note") or ""
-        cells = [f"{row.get(c):.0e}" if c == "bucket" else f"{row[c]:.4f}" if c.endswith("_s") and c != "tokens_per_s" and row.get(c)
-                 else "yes" if row.get(c) is True else "no" if row.get(c) is False else _fmt(row.get(c)) for c in cols]
+        cells = [_cell(c, row.get(c)) for c in cols]
         lines.append("| " + " | ".join(cells) + f" | {note} |")
     return "\n".join(lines)
 
@@ -106,6 +117,8 @@ def _plot_matplotlib(result: dict, png: Path) -> None:
         ax.bar(xs, [r.get("peak_reserved_GiB") or 0 for r in rs], width, color=[c / 255 for c in PALE[impl]])
         bars = ax.bar(xs, [r.get("peak_alloc_GiB") or 0 for r in rs], width, label=f"{impl} peak allocated",
                       color=[c / 255 for c in COLORS[impl]])
+        ax.hlines([r.get("after_step_GiB") or 0 for r in rs], [x - width / 2 for x in xs],
+                  [x + width / 2 for x in xs], colors="white", linestyles="dashed", linewidth=1.2)
         for bar, r in zip(bars, rs):
             text = "skipped" if "skipped" in r else "error" if "error" in r else _fmt(r.get("peak_alloc_GiB"))
             ax.annotate(text, (bar.get_x() + width / 2, bar.get_height()), ha="center", va="bottom", fontsize=8)
@@ -113,10 +126,10 @@ def _plot_matplotlib(result: dict, png: Path) -> None:
         f = next((rows[(r, m)]["formula_GiB"] for m in IMPLS if (r, m) in rows), None)
         if f is not None:
             ax.hlines(f, i - 0.45, i + 0.45, colors="black", linewidth=2)
-            ax.annotate(f"formula {f:.1f}", (i, f), ha="center", va="bottom", fontsize=8, xytext=(0, 2),
+            ax.annotate(f"formula {f:.1f}", (i + 0.45, f), ha="right", va="bottom", fontsize=7, xytext=(0, 2),
                         textcoords="offset points")
     ax.set_xticks(range(len(rungs)), ["\n".join(rung_label(r)) for r in rungs])
-    ax.set_ylabel("GiB per GPU (pale: peak reserved)")
+    ax.set_ylabel("GiB per GPU (pale: peak reserved; white dashes: allocated after a step)")
     ax.set_title(_title(result["meta"]), fontsize=10)
     ax.legend(loc="upper right", fontsize=8)
     fig.tight_layout()
@@ -124,7 +137,7 @@ def _plot_matplotlib(result: dict, png: Path) -> None:
     plt.close(fig)
 
 
-# -- built-in renderer --------------------------------------------------------------------------------------------------
+# -- built-in renderer -------------------------------------------------------------------------------------------------
 _GLYPHS = {
     "0": ".###. #...# #..## #.#.# ##..# #...# .###.", "1": "..#.. .##.. ..#.. ..#.. ..#.. ..#.. .###.",
     "2": ".###. #...# ....# ...#. ..#.. .#... #####", "3": "##### ...#. ..#.. ...#. ....# #...# .###.",
@@ -215,7 +228,7 @@ def _plot_builtin(result: dict, png: Path) -> None:
         c.rect(lx, 60, lx + 18, 78, COLORS[impl])
         c.text(lx + 26, 62, f"{impl} peak allocated", scale=2)
     c.rect(left + 700, 68, left + 730, 71, (0, 0, 0))
-    c.text(left + 738, 62, "ZeRO formula (pale: reserved)", scale=2)
+    c.text(left + 738, 62, "ZeRO formula (pale: reserved, white: after step)", scale=2)
     tick = 0.0
     while tick <= ymax + 1e-9:  # y axis and grid
         y = y_of(tick)
@@ -238,6 +251,9 @@ def _plot_builtin(result: dict, png: Path) -> None:
                 continue
             c.rect(x0, y_of(row.get("peak_reserved_GiB") or 0), x0 + bar, H - bottom, PALE[impl])
             c.rect(x0, y_of(row["peak_alloc_GiB"]), x0 + bar, H - bottom, COLORS[impl])
+            if row.get("after_step_GiB") is not None:  # resident after a step: the model states
+                c.rect(x0 + 2, y_of(row["after_step_GiB"]), x0 + bar - 2, y_of(row["after_step_GiB"]) + 2,
+                       (255, 255, 255))
             c.text(x0 + bar / 2, y_of(row["peak_alloc_GiB"]) - 14, f"{row['peak_alloc_GiB']:.1f}", scale=1,
                    anchor="center")
         formula = next((rows[(rung, m)]["formula_GiB"] for m in IMPLS if (rung, m) in rows), None)

@@ -94,7 +94,7 @@ def parse_args() -> argparse.Namespace:
     return a
 
 
-# -- configuration ------------------------------------------------------------------------------------------------------
+# -- configuration -----------------------------------------------------------------------------------------------------
 def ds_config(a, rung: str, impl: str, nvme: str, bucket: float) -> dict:
     stage, opt_dev, param_dev = RUNGS[rung]
     zero = {"stage": stage, "overlap_comm": True, "contiguous_gradients": True, "reduce_bucket_size": int(bucket),
@@ -140,7 +140,7 @@ def plan(a) -> list[dict]:
     return runs
 
 
-# -- one run ------------------------------------------------------------------------------------------------------------
+# -- one run -----------------------------------------------------------------------------------------------------------
 def _sync(a) -> None:
     if not a.cpu:
         torch.cuda.synchronize()
@@ -275,7 +275,7 @@ def bitcheck(a, base_model, lib, stage: int, overlap: bool) -> dict:
             "rank": dist.get_rank(), "loss": round(loss, 6), **digests}
 
 
-# -- the launch ---------------------------------------------------------------------------------------------------------
+# -- the launch --------------------------------------------------------------------------------------------------------
 def _init_dist(a, impls: list[str]) -> dict:
     backend = "gloo" if a.cpu else "nccl"
     if not a.cpu:
