@@ -29,31 +29,38 @@ STEPS = 3
 
 
 # -- in-process: the bucketed Adam step ---------------------------------------------------------------------------
-def _optimizer(kind: str, sizes, seed=0):
+# CUDA: the fused AdamW kernel (run with ``-m gpu`` on a GPU machine)
+DEVICES = ["cpu", pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(
+    not torch.cuda.is_available(), reason="needs CUDA")])]
+
+
+def _optimizer(kind: str, sizes, seed=0, device="cpu"):
     g = torch.Generator().manual_seed(seed)
-    masters = [torch.randn(n, generator=g) for n in sizes]
+    masters = [torch.randn(n, generator=g).to(device) for n in sizes]
     hparams = [{"lr": 1e-2, "weight_decay": 0.1}, {"lr": 3e-3, "weight_decay": 0.0, "betas": (0.8, 0.99)}]
     opt = ShardedOptimizer(masters, hparams[:len(sizes)], {"type": kind, "params": {"lr": 1e-3}}, sharded=False,
-                           dp_world_size=1, comm_device=torch.device("cpu"))
+                           dp_world_size=1, comm_device=torch.device(device))
     return opt
 
 
-def _grads(sizes, step):
+def _grads(sizes, step, device="cpu"):
     g = torch.Generator().manual_seed(100 + step)
-    return [torch.randn(n, generator=g) * 10 ** torch.randn(n, generator=g) for n in sizes]
+    return [(torch.randn(n, generator=g) * 10 ** torch.randn(n, generator=g)).to(device) for n in sizes]
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("kind", ["AdamW", "Adam"])
-def test_bucketed_step_is_bit_identical(kind):
-    sizes = (1003, 264)
-    whole, bucketed = _optimizer(kind, sizes), _optimizer(kind, sizes)
+def test_bucketed_step_is_bit_identical(kind, device):
+    sizes = (1003, 264) if device == "cpu" else (10_000_003, 2_640_000)
+    cut = sizes[0] // 2 // 8 * 8
+    whole, bucketed = _optimizer(kind, sizes, device=device), _optimizer(kind, sizes, device=device)
     calls: list[int] = []
     buckets = [StepBucket(((0, 0, 8), (1, 0, 96)), lambda: calls.append(0)),
-               StepBucket(((0, 8, 517),), lambda: calls.append(1)),
-               StepBucket(((1, 96, 264), (0, 517, 1003)), lambda: calls.append(2))]
+               StepBucket(((0, 8, cut),), lambda: calls.append(1)),
+               StepBucket(((1, 96, sizes[1]), (0, cut, sizes[0])), lambda: calls.append(2))]
     for step in range(4):
-        assert not whole.step(_grads(sizes, step), clip=1.0)
-        assert not bucketed.step(_grads(sizes, step), clip=1.0, buckets=buckets)
+        assert not whole.step(_grads(sizes, step, device), clip=1.0)
+        assert not bucketed.step(_grads(sizes, step, device), clip=1.0, buckets=buckets)
     assert calls == [0, 1, 2] * 4
     for a, b in zip(whole.masters, bucketed.masters):
         assert torch.equal(a, b)
