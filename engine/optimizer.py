@@ -212,11 +212,11 @@ class ShardedOptimizer:
             inner._init_group(group, [], [], [], [], [], [])
         states = [inner.state[m] for m in self.masters]
         whole = [group["params"] for group in groups]
+        views: list[torch.Tensor] = []
         try:
             for bucket in buckets:
                 for group in groups:
                     group["params"] = []
-                views = []
                 for g, lo, hi in bucket.ranges:
                     view = self.masters[g].detach()[lo:hi]
                     view.grad = self.masters[g].grad[lo:hi]
@@ -224,10 +224,12 @@ class ShardedOptimizer:
                     groups[g]["params"].append(view)
                     views.append(view)
                 inner.step()
-                for view in views:
-                    del inner.state[view]
+                while views:
+                    del inner.state[views.pop()]
                 bucket.done()
         finally:
+            for view in views:
+                inner.state.pop(view, None)
             for group, params in zip(groups, whole):
                 group["params"] = params
         for state in states:

@@ -20,8 +20,7 @@ Communication phases per optimizer step
    ``overlap_comm`` overlap these with the step (:meth:`FlatParamManager.step_buckets`): units are grouped into
    buckets of at most ``allgather_bucket_size`` elements in unit order; the optimizer steps one bucket's master
    slices, then they are cast and the bucket's all-gathers issued asynchronously, and the next bucket is stepped
-   while they run
-   (on NCCL they run on the communication stream beside the step's kernels; on gloo on gloo's worker thread). The
+   while they run (on NCCL on the communication stream, beside the step's kernels; on gloo on its worker thread). The
    handles go through the shared :class:`~engine.zero.collectives.CollectiveQueue` (oldest waited once more than a
    bucket's worth is in flight), and :meth:`FlatParamManager.update_params` waits for the rest before the step
    returns -- nothing is left in flight into the next forward, so parameters are plain tensors again when the user
