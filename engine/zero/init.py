@@ -42,10 +42,10 @@ under which meta parameters are *deferred* (left unpartitioned; elsewhere a meta
 rank 0 reads that module's tensors from the checkpoint, the unit is broadcast and partitioned) and
 ``_finalize_model_loading`` partitions what transformers initialised or materialised afterwards (missing keys).
 
-``GatheredParameters(params, modifier_rank=None)``: all-gathers the units holding ``params`` (one all-gather per
-unit); on exit, when ``modifier_rank`` is given, that rank's values are broadcast and re-partitioned (also into the
-fp32 master once an engine owns the parameters); then the units are released. Plain (non-partitioned) tensors pass
-through untouched, as in DeepSpeed.
+``GatheredParameters(params, modifier_rank=None)`` (:mod:`engine.zero.gathered`, re-exported here): all-gathers the
+units holding ``params`` (one all-gather per unit); on exit, when ``modifier_rank`` is given, that rank's values are
+broadcast and re-partitioned (also into the fp32 master once an engine owns the parameters); then the units are
+released. Plain (non-partitioned) tensors pass through untouched, as in DeepSpeed.
 """
 
 from __future__ import annotations
