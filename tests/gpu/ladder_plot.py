@@ -70,16 +70,16 @@ def markdown_table(result: dict) -> str:
 
 def bitcheck_table(result: dict) -> str:
     """The ``--bitcheck`` rows: per stage and rank, the digests of the runs overlap off / on / off."""
-    lines = ["| stage | rank | overlap off | on | off again | on == off |", "|---|---|---|---|---|---|"]
+    lines = ["| stage | bucket | rank | overlap off | on | off again | on == off |", "|---|---|---|---|---|---|---|"]
     runs: dict = {}
     for row in result["rows"]:
         if row.get("bitcheck"):
-            runs.setdefault((row["rung"], row["rank"]), []).append(row)
-    for (stage, rank), rs in sorted(runs.items()):
+            runs.setdefault((row["rung"], row["bucket"], row["rank"]), []).append(row)
+    for (stage, bucket, rank), rs in sorted(runs.items()):
         cells = [f"{r['masters_sha256']} / {r['params_sha256']}" for r in rs]
         same = [(r["masters_sha256"], r["params_sha256"]) for r in rs]
         verdict = "yes" if same[1] == same[0] else "no (control differs too)" if same[0] != same[2] else "NO"
-        lines.append(f"| {stage} | {rank} | " + " | ".join(cells) + f" | {verdict} |")
+        lines.append(f"| {stage} | {bucket:.0e} | {rank} | " + " | ".join(cells) + f" | {verdict} |")
     return "\n".join(lines)
 
 

@@ -29,8 +29,9 @@ gradients and optimizer on the CPU); 3+opt+param: 0. Activations, buffers and co
 
 ``--ab``: also runs the engine at stages 1 and 2 with the post-step all-gather overlap off
 (``ENGINE_STEP_ALLGATHER_OVERLAP=0``), and both ways at ``--ab-bucket`` (smaller buckets: more units, more overlap);
-the A/B rows measure ``--ab-steps`` steps. ``--bitcheck``: the engine at stages 1 and 2 trains ``--bitcheck-steps``
-steps three times -- overlap off, on, off -- under ``torch.use_deterministic_algorithms``, and each row carries the
+the A/B rows measure ``--ab-steps`` steps. ``--bitcheck``: the engine at stages 1 and 2 (``--bucket`` and ``--ab-bucket``) trains ``--bitcheck-steps``
+steps three times -- overlap off, on, off -- under ``torch.use_deterministic_algorithms`` with the math attention
+kernel, and each row carries the
 sha256 of this rank's fp32 masters and of its full compute-dtype parameters: on must equal off (the second off run is
 the control for nondeterminism left in the kernels).
 """
@@ -248,18 +249,21 @@ def run_one(a, run: dict, base_model, libs: dict, nvme_root: Path, psi: int) -> 
     return row
 
 
-def bitcheck(a, base_model, lib, stage: int, overlap: bool) -> dict:
+def bitcheck(a, base_model, lib, stage: int, overlap: bool, bucket: float) -> dict:
     """Train ``--bitcheck-steps`` deterministic steps; sha256 of the fp32 masters and full parameters."""
     import hashlib
+
+    from torch.nn.attention import SDPBackend, sdpa_kernel
 
     os.environ[OVERLAP_ENV] = "1" if overlap else "0"
     torch.use_deterministic_algorithms(True, warn_only=True)
     try:
         _free(a)
-        cfg = ds_config(a, str(stage), "engine", "", a.bucket)
+        cfg = ds_config(a, str(stage), "engine", "", bucket)
         model = copy.deepcopy(base_model)
         eng, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-        _, _, loss = train(a, eng, a.bitcheck_steps, torch.device("cpu") if a.cpu else torch.device("cuda"))
+        with sdpa_kernel([SDPBackend.MATH]):  # cuDNN / flash attention backward are not deterministic
+            _, _, loss = train(a, eng, a.bitcheck_steps, torch.device("cpu") if a.cpu else torch.device("cuda"))
         digests = {}
         for name, tensors in (("masters", eng.optimizer.masters), ("params", eng.mgr.full)):
             h = hashlib.sha256()
@@ -271,7 +275,7 @@ def bitcheck(a, base_model, lib, stage: int, overlap: bool) -> dict:
         _free(a)
     finally:
         torch.use_deterministic_algorithms(False)
-    return {"rung": str(stage), "impl": "engine", "bitcheck": True, "step_overlap": overlap, "bucket": a.bucket,
+    return {"rung": str(stage), "impl": "engine", "bitcheck": True, "step_overlap": overlap, "bucket": bucket,
             "rank": dist.get_rank(), "loss": round(loss, 6), **digests}
 
 
@@ -311,6 +315,11 @@ def build_base_model(a):
     return model
 
 
+def _write(out: str, meta: dict, rows: list[dict], t_start: float) -> None:
+    meta["total_s"] = round(time.perf_counter() - t_start, 1)
+    Path(out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+
+
 def main_train(a) -> None:
     impls = [i for i in a.impls.split(",") if i]
     libs = _init_dist(a, impls)
@@ -328,10 +337,10 @@ def main_train(a) -> None:
     rows = []
     if a.bitcheck and "engine" in libs:
         os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-        for stage in (1, 2):
+        for stage, bucket in ((1, a.bucket), (2, a.bucket), (1, a.ab_bucket), (2, a.ab_bucket)):
             for overlap in (False, True, False):
                 per_rank = [None] * world
-                dist.all_gather_object(per_rank, bitcheck(a, base, libs["engine"], stage, overlap))
+                dist.all_gather_object(per_rank, bitcheck(a, base, libs["engine"], stage, overlap, bucket))
                 rows += per_rank
                 if rank == 0:
                     print(json.dumps(per_rank), flush=True)
@@ -342,12 +351,12 @@ def main_train(a) -> None:
             row = {**run, "error": f"{type(exc).__name__}: {exc}"[:400]}
             _free(a)
         rows.append(row)
-        meta["total_s"] = round(time.perf_counter() - t_start, 1)
         if rank == 0:  # rewritten after every run: a launch cut short still leaves its rows
             print(json.dumps(row), flush=True)
-            Path(a.out).write_text(json.dumps({"meta": meta, "rows": rows}, indent=1) + "\n")
+            _write(a.out, meta, rows, t_start)
         dist.barrier()
     if rank == 0:
+        _write(a.out, meta, rows, t_start)
         print(f"wrote {a.out} ({meta['total_s']} s)", flush=True)
     dist.barrier()
     dist.destroy_process_group()
