@@ -18,9 +18,10 @@ processes: warm-up steps, then measured steps. Between runs everything is freed 
 peak statistics reset. Per row (max over ranks): ``peak_alloc_GiB`` / ``peak_reserved_GiB`` (training steps only),
 ``init_peak_GiB`` (during ``initialize``), ``after_init_GiB`` and ``after_step_GiB`` (allocated: the resident model
 states), ``step_s`` (median forward + backward + step), ``opt_step_s`` (median of ``engine.step()`` alone: where the
-stages 1/2 all-gathers are), ``tokens_per_s``. Memory figures are this run's own: what was still allocated (reserved)
-before it started, ``baseline_GiB`` (``baseline_reserved_GiB``) -- memory an earlier run failed to free (DeepSpeed's
-stage 3 engine keeps some after ``destroy()``) -- is subtracted; ``raw_peak_alloc_GiB`` is the allocator's figure.
+stages 1/2 all-gathers are), ``tokens_per_s``. Memory figures are this run's own: what was still allocated before
+it started, ``baseline_GiB`` -- memory an earlier run failed to free (DeepSpeed's stage 3 engine keeps its model
+states after ``destroy()``) -- is subtracted from each (also from reserved; ``baseline_reserved_GiB`` is recorded);
+``raw_peak_alloc_GiB`` is the allocator's own figure.
 
 ``formula_GiB``: the ZeRO paper's model states per GPU for Psi parameters on N ranks, 16-bit parameters (2 Psi) and
 gradients (2 Psi) and fp32 Adam state (K Psi, K = 12: master, momentum, variance), each whole, divided by N or
@@ -232,7 +233,8 @@ def run_one(a, run: dict, base_model, libs: dict, nvme_root: Path, psi: int) -> 
     peak = torch.cuda.max_memory_allocated() / GIB if not a.cpu else float("nan")
     reserved = torch.cuda.max_memory_reserved() / GIB if not a.cpu else float("nan")
     after_step = _allocated()
-    figures = _max_over_ranks([peak - baseline, reserved - baseline_reserved, init_peak - baseline,
+    # reserved: less what earlier runs left *allocated* (their cached free blocks are reusable by this run)
+    figures = _max_over_ranks([peak - baseline, reserved - baseline, init_peak - baseline,
                                after_init - baseline, after_step - baseline, baseline, baseline_reserved, peak,
                                statistics.median(times[warmup:]), statistics.median(opt_times[warmup:]), init_s],
                               device)
