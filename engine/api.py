@@ -14,13 +14,16 @@ Phases of one optimizer step, by stage (collectives are per unit = flat bucket, 
 stage  forward/backward                           boundary                            after the Adam step
 =====  =========================================  ==================================  =========================
 0      full params; autograd .grad tensors        pack + all-reduce per unit          (every rank updated all)
-1      full params; autograd .grad tensors        pack + reduce-scatter per unit      all-gather per unit
-2      full params; reduce-scatter per unit as    (done)                              all-gather per unit
+1      full params; autograd .grad tensors        pack + reduce-scatter per unit      all-gather per unit (*)
+2      full params; reduce-scatter per unit as    (done)                              all-gather per unit (*)
        its grads complete, full grads freed
 3      all-gather per module before forward and   (done)                              cast master -> partition
        backward, released after; reduce-scatter
        per unit as its grads complete
 =====  =========================================  ==================================  =========================
+
+(*) with ``overlap_comm``, overlapped with the step: bucket k's all-gathers run while bucket k+1 is stepped
+(:mod:`engine.zero.flat`).
 """
 
 from __future__ import annotations
@@ -179,7 +182,8 @@ class Engine(nn.Module):
                 trainable, self.table, stage=self.stage, device=self.device, compute_dtype=self.compute_dtype,
                 reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
                 overlap_comm=bool(self.config.zero.overlap_comm),
-                reduce_bucket_size=int(self.config.zero.reduce_bucket_size))
+                reduce_bucket_size=int(self.config.zero.reduce_bucket_size),
+                allgather_bucket_size=int(self.config.zero.allgather_bucket_size))
             for p in self.frozen:
                 p.data = p.data.to(self.device, self.compute_dtype if p.is_floating_point() else p.dtype)
             _broadcast_flat(self.frozen)
@@ -262,7 +266,9 @@ class Engine(nn.Module):
             with self.optimizer.host_threads():
                 self.mgr.reduce_at_boundary()
                 grads = self._grad_partitions()
-                overflow = self.optimizer.step(grads, float(self.config.gradient_clipping or 0.0))
+                # stages 1/2: stepped bucket by bucket, each bucket's all-gathers issued as soon as it is updated
+                buckets = self.mgr.step_buckets() if self.stage < 3 else None
+                overflow = self.optimizer.step(grads, float(self.config.gradient_clipping or 0.0), buckets=buckets)
                 del grads  # stages 0-2: the fp32 gradient partitions die with the manager's store in zero_grads()
                 if not overflow:
                     self.mgr.update_params()
@@ -329,6 +335,16 @@ class Engine(nn.Module):
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Gradients are zeroed by :meth:`step`; kept for API compatibility."""
+
+    def destroy(self) -> None:
+        """Detach the engine from the model (DeepSpeed's ``destroy``): wait for an asynchronous save, remove the
+        ZeRO manager's hooks. The hooks' closures hold the manager, and the parameters hold the hooks in C++, a cycle
+        Python's garbage collector cannot see: without this, a dropped stage 2/3 engine keeps its buffers alive."""
+        if getattr(self, "_saver", None) is not None:
+            self._saver.wait()
+        for handle in getattr(self.mgr, "_hooks", []):
+            handle.remove()
+        self.mgr._hooks = []
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def _checkpoint_view(self):

@@ -34,7 +34,8 @@ from typing import Any, Literal
 
 import torch
 
-from engine.config_keys import _ZERO_JSON_NAMES, AUTO, ConfigError, _check_keys, describe_keys
+from engine import config_keys
+from engine.config_keys import _ZERO_JSON_NAMES, AUTO, ConfigError, KeySections, _check_keys
 
 logger = logging.getLogger("engine.config")
 
@@ -274,6 +275,15 @@ class WarmupCosineLRParams:
 
 _SCHEDULER_PARAMS: dict[str, type] = {
     "WarmupLR": WarmupLRParams, "WarmupDecayLR": WarmupDecayLRParams, "WarmupCosineLR": WarmupCosineLRParams}
+
+#: the sections whose fields are supported keys, for the key tables of :mod:`engine.config_keys`
+_KEY_SECTIONS = KeySections(fp16=FP16Config, bf16=BF16Config, optimizer=OptimizerConfig,
+                            scheduler_params=tuple(_SCHEDULER_PARAMS.items()))
+
+
+def describe_keys() -> list[tuple[str, str, str]]:
+    """(dotted key, kind, note) for every DeepSpeed key the engine knows (:func:`engine.config_keys.describe_keys`)."""
+    return config_keys.describe_keys(_KEY_SECTIONS)
 
 
 @dataclass(kw_only=True)
@@ -746,6 +756,6 @@ def load_config(config: Mapping[str, Any] | str | os.PathLike, *, training_args:
     num_training_steps: total optimizer steps, for scheduler.params.total_num_steps (else training_args.max_steps).
     """
     _check_positive_int("world_size", world_size)
-    checked = _check_keys(_read(config))
+    checked = _check_keys(_read(config), _KEY_SECTIONS)
     return _build(resolve(checked, training_args=training_args, world_size=world_size,
                           model_hidden_size=model_hidden_size, num_training_steps=num_training_steps), world_size)

@@ -5,9 +5,10 @@ Every key of a DeepSpeed config is supported (kept for ``resolve()`` and the typ
 did-you-mean). The tables below say which; ``_check_keys()`` applies them and ``describe_keys()`` lists them so a
 test keeps docs/engine-config.md in step.
 
-``engine.config`` imports this module, so nothing here imports ``engine.config`` at module level: the tables whose
-supported keys are the fields of its dataclasses (fp16, bf16, optimizer.params, scheduler.params) are built on first
-use by ``_tables()``. ``ConfigError`` and ``AUTO`` live here; ``engine.config`` re-exports them.
+Imports go one way: ``engine.config`` imports this module, never the reverse. The tables whose supported keys are
+the fields of ``engine.config``'s dataclasses (fp16, bf16, optimizer.params, scheduler.params) are built from the
+classes the caller passes in a :class:`KeySections` (``engine.config`` passes its own). ``ConfigError`` and ``AUTO``
+live here; ``engine.config`` re-exports them.
 """
 
 from __future__ import annotations
@@ -175,32 +176,37 @@ _TOP_OTHER_KEYS: dict[str, _Rule] = {  # the top-level keys after optimizer, sch
 }
 
 
+@dataclass(frozen=True)
+class KeySections:
+    """The typed sections whose fields are the supported keys of fp16, bf16, optimizer.params and, per scheduler
+    type, scheduler.params (``engine.config``'s dataclasses; passed in, so this module never imports them)."""
+
+    fp16: type
+    bf16: type
+    optimizer: type
+    scheduler_params: tuple[tuple[str, type], ...]  # (scheduler type, its params dataclass)
+
+
 @functools.cache
-def _tables() -> tuple[dict[str, _Rule], dict[str, dict[str, _Rule]]]:
-    """(top-level table, scheduler.params table per scheduler type), built once on first use.
-
-    Deferred because fp16, bf16, optimizer.params and scheduler.params take the fields of engine.config's
-    dataclasses, and engine.config imports this module.
-    """
-    from engine.config import _SCHEDULER_PARAMS, BF16Config, FP16Config, OptimizerConfig
-
-    fp16 = {**_fields(FP16Config),
+def _tables(sections: KeySections) -> tuple[dict[str, _Rule], dict[str, dict[str, _Rule]]]:
+    """(top-level table, scheduler.params table per scheduler type), built once per ``sections``."""
+    fp16 = {**_fields(sections.fp16),
             "fp16_master_weights_and_grads": _d(_missing("fp16 master weights (they are fp32)"), False)}
-    bf16 = {**_fields(BF16Config),
+    bf16 = {**_fields(sections.bf16),
             "immediate_grad_update": _i("when micro-batch gradients fold into fp32 is the engine's choice"),
             "bf16_master_weights_and_grads": _d(_missing("bf16 master weights (they are fp32)"), False),
             "bf16_optimizer_states": _d(_missing("bf16 optimizer states"), False)}
-    optimizer_params = {k: r for k, r in _fields(OptimizerConfig).items() if k != "type"}
+    optimizer_params = {k: r for k, r in _fields(sections.optimizer).items() if k != "type"}
     optimizer = {"type": _s("Adam or AdamW, case-insensitive"),
                  "params": _s(section={**optimizer_params, **_OPTIMIZER_EXTRA_KEYS}),
                  "legacy_fusion": _d(_missing("the legacy fused-optimizer mode"), False)}
     top = {**{k: _s() for k in _TOP_SCALAR_KEYS},
            "optimizer": _s(section=optimizer), "scheduler": _s(section=_SCHEDULER_KEYS),
            "fp16": _s(section=fp16), "bf16": _s(section=bf16), **_TOP_OTHER_KEYS}
-    return top, {name: _fields(cls) for name, cls in _SCHEDULER_PARAMS.items()}
+    return top, {name: _fields(cls) for name, cls in sections.scheduler_params}
 
 
-def describe_keys() -> list[tuple[str, str, str]]:
+def describe_keys(sections: KeySections) -> list[tuple[str, str, str]]:
     """(dotted key, kind, note) for every DeepSpeed key this module knows; docs/engine-config.md lists the same."""
     rows: list[tuple[str, str, str]] = []
 
@@ -209,7 +215,7 @@ def describe_keys() -> list[tuple[str, str, str]]:
             rows.append((prefix + key, rule.kind, rule.note))
             if rule.section is not None:
                 walk(rule.section, f"{prefix}{key}.")
-    top, scheduler_params = _tables()
+    top, scheduler_params = _tables(sections)
     walk(top, "")
     for name, table in scheduler_params.items():
         walk(table, f"scheduler.params[{name}].")
@@ -252,9 +258,9 @@ def _check_section(data: Any, table: Mapping[str, _Rule], where: str) -> dict[st
     return kept
 
 
-def _check_keys(raw: dict[str, Any]) -> dict[str, Any]:
+def _check_keys(raw: dict[str, Any], sections: KeySections) -> dict[str, Any]:
     """A read config with every key classified by the tables: aliases folded, the supported keys kept."""
-    top, scheduler_params = _tables()
+    top, scheduler_params = _tables(sections)
     _fold_alias(raw, "bfloat16", "bf16", "")
     zero = raw.get("zero_optimization")
     if isinstance(zero, bool):

@@ -17,6 +17,13 @@ Communication phases of :meth:`ShardedOptimizer.step` (at most two tiny all-redu
 3. local: gradients are multiplied once by ``1 / (world_size * loss_scale) * min(1, clip / (norm + 1e-6))`` --
    averaging over data-parallel ranks, unscaling and clipping in one pass -- then the Adam step runs on the
    partition. Parameters are refreshed afterwards by the ZeRO manager (all-gather for stages 1/2).
+
+Bucketed step (stages 1/2, :meth:`engine.zero.flat.FlatParamManager.step_buckets`): phase 3's Adam update may be run
+bucket by bucket -- each :class:`StepBucket` names ranges of the master partitions; once they are updated its
+``done()`` casts them into the compute-dtype parameters and issues their all-gathers asynchronously, so bucket k's
+all-gather is in flight while bucket k+1 is stepped. Adam is elementwise: the same kernels on slices give the same
+bits as on the whole partition (the inner optimizer steps views of the masters and of its state); the ``step``
+counter is advanced once, after the last bucket.
 """
 
 from __future__ import annotations
@@ -24,6 +31,8 @@ from __future__ import annotations
 import contextlib
 import math
 import os
+from dataclasses import dataclass
+from typing import Callable, Sequence
 
 import torch
 
@@ -32,6 +41,15 @@ from engine.offload import NvmeStateSwapper
 from engine.precision import has_inf_or_nan
 
 HPARAM_KEYS = ("lr", "betas", "eps", "weight_decay")
+
+
+@dataclass(frozen=True)
+class StepBucket:
+    """A piece of the Adam step: ``ranges`` = ``(group, start, stop)`` element ranges of the master partitions,
+    updated together; then ``done()`` is called (the ZeRO manager casts and all-gathers them)."""
+
+    ranges: tuple[tuple[int, int, int], ...]
+    done: Callable[[], None]
 
 
 def _opt_field(cfg, name, default=None):
@@ -130,12 +148,15 @@ class ShardedOptimizer:
             comm.all_reduce_(sq)
         return math.sqrt(float(sq)) * inv
 
-    def step(self, grads: list[torch.Tensor], clip: float = 0.0) -> bool:
+    def step(self, grads: list[torch.Tensor], clip: float = 0.0,
+             buckets: Sequence[StepBucket] | None = None) -> bool:
         """Average, unscale, clip and apply one Adam step. Returns True when the step was skipped (fp16 overflow).
 
         ``grads``: the step's flat fp32 gradient partitions, one per group (same layout as the masters); they are
-        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs. The engine runs it
-        inside :meth:`host_threads`."""
+        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs. ``buckets``: run the
+        update bucket by bucket, calling each one's ``done()`` after it (see module doc); ignored (one whole step,
+        no ``done()`` call) when they do not tile the masters or state is swapped to NVMe -- the caller then
+        refreshes what was not done. The engine runs it inside :meth:`host_threads`."""
         scale = float(self.loss_scaler.loss_scale) if self.loss_scaler is not None else 1.0
         if self.loss_scaler is not None:
             overflow = self._overflow(grads)
@@ -155,13 +176,66 @@ class ShardedOptimizer:
         for m, g in zip(self.masters, grads):
             m.grad = g
         try:
-            self.inner.step()
+            if buckets and self.swapper is None and self._tiles(buckets):
+                self._bucketed_step(buckets)
+            else:
+                self.inner.step()
         finally:
             for m in self.masters:
                 m.grad = None
         if self.swapper is not None:
             self.swapper.swap_out(self.inner)
         return False
+
+    def _tiles(self, buckets: Sequence[StepBucket]) -> bool:
+        """Each master partition is covered exactly once by the buckets' ranges."""
+        covered = [[] for _ in self.masters]
+        for bucket in buckets:
+            for g, lo, hi in bucket.ranges:
+                covered[g].append((lo, hi))
+        for m, spans in zip(self.masters, covered):
+            end = 0
+            for lo, hi in sorted(spans):
+                if lo != end or hi <= lo:
+                    return False
+                end = hi
+            if end != m.numel():
+                return False
+        return True
+
+    @torch.no_grad()
+    def _bucketed_step(self, buckets: Sequence[StepBucket]) -> None:
+        """``inner.step()`` once per bucket, on slices: the masters' state is initialised as torch does
+        (``_init_group``); then each bucket's groups hold detached views of its master ranges, with the matching
+        slices of the gradients and moments as their ``.grad`` and state and a copy of the ``step`` counter, which is
+        advanced once at the end. The update runs through ``inner.step()`` with the group's options, as always."""
+        inner, groups = self.inner, self.inner.param_groups
+        for group in groups:
+            inner._init_group(group, [], [], [], [], [], [])
+        states = [inner.state[m] for m in self.masters]
+        whole = [group["params"] for group in groups]
+        views: list[torch.Tensor] = []
+        try:
+            for bucket in buckets:
+                for group in groups:
+                    group["params"] = []
+                for g, lo, hi in bucket.ranges:
+                    view = self.masters[g].detach()[lo:hi]
+                    view.grad = self.masters[g].grad[lo:hi]
+                    inner.state[view] = {k: t.clone() if k == "step" else t[lo:hi] for k, t in states[g].items()}
+                    groups[g]["params"].append(view)
+                    views.append(view)
+                inner.step()
+                while views:
+                    del inner.state[views.pop()]
+                bucket.done()
+        finally:
+            for view in views:
+                inner.state.pop(view, None)
+            for group, params in zip(groups, whole):
+                group["params"] = params
+        for state in states:
+            state["step"] += 1
 
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Gradients are owned by the engine (zeroed after every step); kept for API compatibility."""

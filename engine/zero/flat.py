@@ -16,7 +16,17 @@ Communication phases per optimizer step
      packed (each ``param.grad`` freed as soon as it is copied), reduce-scattered into the store. Units not
      completed by the end of backward (unused parameters) are flushed in unit order by :meth:`after_backward`.
 3. after the optimizer step: the rank's updated fp32 slice is cast into its slice of ``full[u]`` and all-gathered
-   (one all-gather per unit; none for stage 0, whose "partition" is the whole model).
+   (one all-gather per unit; none for stage 0, whose "partition" is the whole model). Stages 1/2 with
+   ``overlap_comm`` overlap these with the step (:meth:`FlatParamManager.step_buckets`): units are grouped into
+   buckets of at most ``allgather_bucket_size`` elements in unit order; the optimizer steps one bucket's master
+   slices, then they are cast and the bucket's all-gathers issued asynchronously, and the next bucket is stepped
+   while they run (on NCCL on the communication stream, beside the step's kernels; on gloo on its worker thread). The
+   handles go through the shared :class:`~engine.zero.collectives.CollectiveQueue` (oldest waited once more than a
+   bucket's worth is in flight), and :meth:`FlatParamManager.update_params` waits for the rest before the step
+   returns -- nothing is left in flight into the next forward, so parameters are plain tensors again when the user
+   sees them. The granule is the unit (a reduce bucket): with ``reduce_bucket_size`` as large as half the model
+   there are two units and at most half the all-gather time can hide. Same bytes either way (Adam is elementwise,
+   an all-gather moves bytes); ``ENGINE_STEP_ALLGATHER_OVERLAP=0`` turns it off for A/B measurements.
 Gradient sums are divided by the data-parallel world size later, once, by the optimizer.
 
 Gradient memory (nothing gradient-sized outlives a step)
@@ -41,14 +51,15 @@ gradient partition that is zeroed after each step and has every piece added into
 
 from __future__ import annotations
 
-from collections import deque
+import functools
 
 import torch
 
 from engine import comm
 from engine.offload import HostBuffers, Uploader
+from engine.optimizer import StepBucket
 from engine.partition import PartitionTable, Unit
-
+from engine.zero.collectives import CollectiveQueue, step_overlap_enabled
 
 
 def pack_unit_grads(unit: Unit, params: list, out: torch.Tensor) -> None:
@@ -162,15 +173,22 @@ class FlatParamManager:
 
     def __init__(self, params: list[torch.nn.Parameter], table: PartitionTable, *, stage: int, device: torch.device,
                  compute_dtype: torch.dtype, reduce_dtype: torch.dtype, master_device: torch.device,
-                 overlap_comm: bool = False, reduce_bucket_size: int = 500_000_000):
+                 overlap_comm: bool = False, reduce_bucket_size: int = 500_000_000,
+                 allgather_bucket_size: int = 500_000_000, step_overlap: bool | None = None):
         if stage not in (0, 1, 2):
             raise ValueError(f"FlatParamManager handles stages 0-2, got {stage}")
         self.params, self.table, self.stage = params, table, stage
         # overlap_comm: collectives are issued asynchronously and finished oldest first (the same adds in the same
         # order, so results are bit-identical) once more than reduce_bucket_size elements are in flight
         self.overlap_comm, self.reduce_bucket_size = overlap_comm, max(int(reduce_bucket_size), 1)
-        self._inflight: deque = deque()  # (Pending, unit, piece, direct slice or None, packed input kept alive)
-        self._inflight_numel = 0
+        self._reductions = CollectiveQueue()  # gradient reductions in flight (overlap_comm)
+        # post-step all-gathers overlapped with the step (stages 1/2, world > 1): see step_buckets
+        self.allgather_bucket_size = max(int(allgather_bucket_size), 1)
+        # (overlap_comm, like stage 3's: off means every collective is synchronous)
+        self.step_overlap = overlap_comm and (step_overlap_enabled() if step_overlap is None else step_overlap) \
+            and stage > 0 and table.world_size > 1
+        self._gathers = CollectiveQueue()
+        self._gathered: set[int] = set()  # units cast and all-gathered during this step
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.master_device = master_device
         # offloaded optimizer next to a GPU: gradient stores and the upload staging are reused pinned host buffers
@@ -234,25 +252,13 @@ class FlatParamManager:
             piece = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
                                                                   device=self.device)
             handle = comm.reduce_scatter_(piece, flat, async_op=asynchronous)
-        self._inflight.append((handle, unit, piece, direct, flat))
-        self._inflight_numel += flat.numel()
-        if handle is None:
-            self.finish_reductions()
-        while len(self._inflight) > 1 and self._inflight_numel > self.reduce_bucket_size:
-            self._finish_oldest()
-
-    def _finish_oldest(self) -> None:
-        handle, unit, piece, direct, flat = self._inflight.popleft()
-        if handle is not None:
-            handle.wait()
-        if direct is None:
-            self.stores[unit.group].add(unit, piece)
-        self._inflight_numel -= flat.numel()
+        # a piece the collective wrote into the store directly is already there; else it is added once landed
+        finish = None if direct is not None else functools.partial(store.add, unit, piece)
+        self._reductions.push(handle, flat.numel(), finish, keep=(piece, flat), limit=self.reduce_bucket_size)
 
     def finish_reductions(self) -> None:
         """Wait for every reduction in flight and store its piece, oldest first."""
-        while self._inflight:
-            self._finish_oldest()
+        self._reductions.drain()
 
     # -- stage 2 hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, index: int):
@@ -318,25 +324,74 @@ class FlatParamManager:
         out["param_grads"] = sum(p.grad.nbytes for p in self.params if p.grad is not None)
         return out
 
+    # -- after the optimizer step ---------------------------------------------------------------------------------
+    def step_buckets(self) -> list[StepBucket] | None:
+        """The optimizer step in all-gather buckets (see module doc): consecutive units up to
+        ``allgather_bucket_size`` padded elements (at least one unit each), their master ranges merged per group;
+        ``done()`` casts and all-gathers them. ``None`` when nothing would overlap (stage 0, one rank, no
+        ``overlap_comm``, ``ENGINE_STEP_ALLGATHER_OVERLAP=0``)."""
+        if not self.step_overlap:
+            return None
+        if self.uploader is not None:  # the buckets' casts reuse the staging the last refresh's copies read
+            self.uploader.begin()
+        buckets, current, size = [], [], 0
+        for unit in self.table.units:
+            numel = unit.padded_numel(self.table.world_size)
+            if current and size + numel > self.allgather_bucket_size:
+                buckets.append(self._step_bucket(current))
+                current, size = [], 0
+            current.append(unit)
+            size += numel
+        if current:
+            buckets.append(self._step_bucket(current))
+        return buckets
+
+    def _step_bucket(self, units: list[Unit]) -> StepBucket:
+        ranges: list[list[int]] = []
+        for unit in units:
+            lo, hi = unit.partition_offset, unit.partition_offset + unit.slice_numel
+            if ranges and ranges[-1][0] == unit.group and ranges[-1][2] == lo:
+                ranges[-1][2] = hi
+            else:
+                ranges.append([unit.group, lo, hi])
+        return StepBucket(tuple(tuple(r) for r in ranges), functools.partial(self._gather_units, tuple(units)))
+
+    @torch.no_grad()
+    def _gather_units(self, units: tuple[Unit, ...]) -> None:
+        """Cast the units' updated master slices into their compute buffers and issue their all-gathers."""
+        for unit in units:
+            full, mine = self._cast_slice(unit)
+            handle = comm.all_gather_(full, mine, async_op=True)
+            self._gathers.push(handle, full.numel(), keep=(mine,), limit=self.allgather_bucket_size)
+            self._gathered.add(unit.index)
+
+    def _cast_slice(self, unit: Unit) -> tuple[torch.Tensor, torch.Tensor]:
+        """Copy (cast) the unit's fp32 master slice into this rank's slice of its compute buffer."""
+        full, r, s = self.full[unit.index], self.shard_rank, unit.slice_numel
+        mine = full[r * s:(r + 1) * s]
+        master = self.masters[unit.group]
+        src = master[unit.partition_offset: unit.partition_offset + s]
+        if self.uploader is not None:  # host cast into pinned staging, copied without waiting (offload.Uploader)
+            self.uploader.copy(mine, src, unit.group, unit.partition_offset, master.numel())
+        else:
+            mine.copy_(src)
+        return full, mine
+
     @torch.no_grad()
     def update_params(self) -> None:
-        """Copy updated fp32 slices into the compute buffers and all-gather them (one collective per unit)."""
-        r, up = self.shard_rank, self.uploader
-        if up is not None:
-            up.begin()
-        for unit, full in zip(self.table.units, self.full):
-            s = unit.slice_numel
-            mine = full[r * s:(r + 1) * s]
-            master = self.masters[unit.group]
-            src = master[unit.partition_offset: unit.partition_offset + s]
-            if up is not None:  # host cast into pinned staging, copy without waiting (see engine.offload.Uploader)
-                up.copy(mine, src, unit.group, unit.partition_offset, master.numel())
-            else:
-                mine.copy_(src)
-            if self.table.world_size > 1:
-                comm.all_gather_(full, mine)
-        if up is not None:
-            up.end()
+        """Refresh the compute parameters from the fp32 masters: units the step already cast and all-gathered
+        (:meth:`step_buckets`) are waited for; every other unit is cast and all-gathered now, one collective each."""
+        if self.uploader is not None:
+            self.uploader.begin()
+        for unit in self.table.units:
+            if unit.index not in self._gathered:
+                full, mine = self._cast_slice(unit)
+                if self.table.world_size > 1:
+                    comm.all_gather_(full, mine)
+        if self.uploader is not None:
+            self.uploader.end()
+        self._gathers.drain()
+        self._gathered.clear()
 
     def full_param(self, index: int) -> torch.Tensor:
         """The full compute-dtype parameter (already materialised on every rank)."""

@@ -42,10 +42,10 @@ under which meta parameters are *deferred* (left unpartitioned; elsewhere a meta
 rank 0 reads that module's tensors from the checkpoint, the unit is broadcast and partitioned) and
 ``_finalize_model_loading`` partitions what transformers initialised or materialised afterwards (missing keys).
 
-``GatheredParameters(params, modifier_rank=None)``: all-gathers the units holding ``params`` (one all-gather per
-unit); on exit, when ``modifier_rank`` is given, that rank's values are broadcast and re-partitioned (also into the
-fp32 master once an engine owns the parameters); then the units are released. Plain (non-partitioned) tensors pass
-through untouched, as in DeepSpeed.
+``GatheredParameters(params, modifier_rank=None)`` (:mod:`engine.zero.gathered`, re-exported here): all-gathers the
+units holding ``params`` (one all-gather per unit); on exit, when ``modifier_rank`` is given, that rank's values are
+broadcast and re-partitioned (also into the fp32 master once an engine owns the parameters); then the units are
+released. Plain (non-partitioned) tensors pass through untouched, as in DeepSpeed.
 """
 
 from __future__ import annotations
@@ -63,6 +63,8 @@ from torch import nn
 from engine import comm
 from engine.config_keys import AUTO, ConfigError
 from engine.partition import build_partition
+from engine.zero.gathered import GatheredParameters  # noqa: F401  (re-exported: DeepSpeed's zero namespace)
+from engine.zero.pretrained import finalize_partitions, load_into_partitions
 
 _ACTIVE: list["Init"] = []
 
@@ -272,7 +274,6 @@ def _hf_load_pretrained_model(original, model, state_dict, checkpoint_files, loa
     init = _active()
     if init is None or not _deferred(model):
         return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-    from engine.zero.pretrained import load_into_partitions
     return load_into_partitions(init, model, state_dict, checkpoint_files, load_config), None
 
 
@@ -282,7 +283,6 @@ def _hf_finalize_model_loading(original, model, load_config, loading_info, *args
     init = _active()
     if init is None or not model.__dict__.get("_zero_init_loaded"):
         return original(model, load_config, loading_info, *args, **kwargs)
-    from engine.zero.pretrained import finalize_partitions
     return finalize_partitions(init, model, loading_info,
                                functools.partial(original, model, load_config, loading_info, *args, **kwargs))
 
@@ -478,30 +478,3 @@ class Init:
             yield
         finally:
             self._meta_builds -= 1
-
-
-class GatheredParameters:
-    """Gather partitioned parameters for reading or editing (DeepSpeed ``zero.GatheredParameters``)."""
-
-    def __init__(self, params, modifier_rank: int | None = None, fwd_module=None, enabled: bool = True):
-        if isinstance(params, torch.Tensor):
-            params = [params]
-        self.params = [p for p in (params or []) if isinstance(p, torch.Tensor)]
-        self.modifier_rank = modifier_rank
-        self.enabled = enabled
-        self._stack = contextlib.ExitStack()
-
-    def __enter__(self):
-        if not self.enabled:
-            return self
-        by_mgr: dict = {}
-        for p in self.params:
-            mgr = p.__dict__.get("_zero_mgr")
-            if mgr is not None:
-                by_mgr.setdefault(id(mgr), (mgr, []))[1].append(p._zero_index)
-        for mgr, indices in by_mgr.values():
-            self._stack.enter_context(mgr.gathered(indices, self.modifier_rank))
-        return self
-
-    def __exit__(self, *exc):
-        return self._stack.__exit__(*exc)

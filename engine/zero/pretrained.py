@@ -48,7 +48,7 @@ import torch
 from torch import nn
 
 from engine import comm
-from engine.zero.init import GatheredParameters
+from engine.zero.gathered import GatheredParameters
 
 
 def load_into_partitions(init, model: nn.Module, state_dict, checkpoint_files, load_config):

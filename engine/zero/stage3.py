@@ -38,7 +38,8 @@ rank runs the same graph and the schedule depends only on it.
 from __future__ import annotations
 
 import contextlib
-from collections import Counter, deque
+import functools
+from collections import Counter
 
 import torch
 from torch import nn
@@ -46,6 +47,7 @@ from torch import nn
 from engine import comm
 from engine.offload import HostBuffers, Uploader
 from engine.partition import PartitionTable, Unit
+from engine.zero.collectives import CollectiveQueue
 from engine.zero.flat import pack_unit_grads
 from engine.zero.prefetch import FetchTrace, Stage3Options
 
@@ -121,8 +123,7 @@ class PartitionedParamManager:
         self._scan = 0  # first trace event not yet considered for prefetch in this pass
         self._ahead: dict[int, int] = {}  # prefetched units not used yet -> elements
         self._ahead_numel = 0
-        self._reductions: deque = deque()  # (handle, flat, piece, out) of issued reduce-scatters, FIFO
-        self._reduction_numel = 0
+        self._reductions = CollectiveQueue()  # issued reduce-scatters, finished oldest first
         self.stats: Counter = Counter()  # all_gathers, prefetched, prefetch_hits, reduce_scatters
         self._pending = [set() for _ in table.units]
         self._reduced = [False] * n_units
@@ -342,7 +343,7 @@ class PartitionedParamManager:
     # -- gradient reduction ---------------------------------------------------------------------------------------
     def _reduce_unit(self, unit_id: int) -> None:
         """Pack the unit's gradients (``None`` = zero) into a flat reduce-dtype buffer, free them, reduce-scatter
-        (issued asynchronously with ``overlap_comm``; the sum lands in the fp32 slice in :meth:`_finish_reduction`),
+        (issued asynchronously with ``overlap_comm``; the sum lands in the fp32 slice in :meth:`_add_reduced`),
         release the unit."""
         unit = self.table.units[unit_id]
         flat = torch.empty(self.padded[unit_id], dtype=self.reduce_dtype, device=self.device)
@@ -354,27 +355,19 @@ class PartitionedParamManager:
         else:
             piece = torch.empty(unit.slice_numel, dtype=self.reduce_dtype, device=self.device)
             handle = comm.reduce_scatter_(piece, flat, async_op=self.opts.overlap_comm)
-            self._reductions.append((handle, flat, piece, out))
-            self._reduction_numel += flat.numel()
-            if handle is None:  # synchronous: finish it now
-                self._drain_reductions()
-            while len(self._reductions) > 1 and self._reduction_numel > self.opts.reduce_bucket_size:
-                self._finish_reduction()
+            self._reductions.push(handle, flat.numel(), functools.partial(self._add_reduced, piece, out),
+                                  keep=(flat,), limit=self.opts.reduce_bucket_size)
         self._pending[unit_id].clear()
         self._reduced[unit_id] = True
         self._release_unless_reused(unit_id)
 
-    def _finish_reduction(self) -> None:
-        """Wait for the oldest reduce-scatter and add its slice into the fp32 gradient partition."""
-        handle, flat, piece, out = self._reductions.popleft()
-        if handle is not None:
-            handle.wait()
+    @staticmethod
+    def _add_reduced(piece: torch.Tensor, out: torch.Tensor) -> None:
+        """A landed reduce-scatter: add this rank's slice into the fp32 gradient partition."""
         out.add_(piece.to(device=out.device, dtype=out.dtype))
-        self._reduction_numel -= flat.numel()
 
     def _drain_reductions(self) -> None:
-        while self._reductions:
-            self._finish_reduction()
+        self._reductions.drain()
 
     # -- engine-facing protocol ---------------------------------------------------------------------------------
     def after_backward(self) -> None:
