@@ -525,9 +525,10 @@ class Init:
         hi, lo = both.tolist()
         if hi != -lo:
             raise InitDivergedError(
-                f"zero.Init: ranks computed different initial parameters (fingerprints {-lo!r} .. {hi!r}) although "
-                "they drew from the same generator states; the init is not deterministic on this hardware. Build "
-                "with zero.Init(..., match_cpu_build=True) (rank 0's values broadcast)")
+                f"zero.Init: ranks computed different initial parameters (fingerprints {-lo!r} .. {hi!r}), although "
+                "they started from rank 0's generator states: the model was seeded per rank inside the context, or "
+                "its init is not deterministic. Seed every rank alike, or build with zero.Init(..., "
+                "match_cpu_build=True) (rank 0's values broadcast)")
 
     def _patch(self, cls) -> None:
         self._patch_init(cls)
