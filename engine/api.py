@@ -252,10 +252,8 @@ class Engine(nn.Module):
         if self.loss_scaler is not None:
             scaled = scaled * self.loss_scaler.loss_scale
         scaled.backward(retain_graph=retain_graph)
-        if self.stage < 3:  # stages 0-2 widen their 16-bit gradient store to fp32 when more micro-steps follow
-            self.mgr.after_backward(boundary=self.is_gradient_accumulation_boundary())
-        else:
-            self.mgr.after_backward()
+        # every stage widens its 16-bit gradient store to fp32 when more micro-steps follow
+        self.mgr.after_backward(boundary=self.is_gradient_accumulation_boundary())
         return loss
 
     @torch.no_grad()
@@ -269,7 +267,7 @@ class Engine(nn.Module):
                 # stages 1/2: stepped bucket by bucket, each bucket's all-gathers issued as soon as it is updated
                 buckets = self.mgr.step_buckets() if self.stage < 3 else None
                 overflow = self.optimizer.step(grads, float(self.config.gradient_clipping or 0.0), buckets=buckets)
-                del grads  # stages 0-2: the fp32 gradient partitions die with the manager's store in zero_grads()
+                del grads  # the fp32 gradient partitions die with the manager's stores in zero_grads()
                 if not overflow:
                     self.mgr.update_params()
                     if self.lr_scheduler is not None:
@@ -281,9 +279,9 @@ class Engine(nn.Module):
         self.micro_steps += 1
 
     def _grad_partitions(self) -> list[torch.Tensor]:
-        """The step's flat fp32 gradient partitions: made at step time by stages 0-2 (their reduced gradients are
-        kept in the reduce dtype until now), the persistent fp32 partitions of stage 3."""
-        return self.mgr.grad_partitions() if self.stage < 3 else self.mgr.grad_parts
+        """The step's flat fp32 gradient partitions, made at step time (every stage keeps its reduced gradients in the
+        reduce dtype until now; see :class:`engine.zero.flat.GradStore`)."""
+        return self.mgr.grad_partitions()
 
     # -- DeepSpeed-compatible accessors -----------------------------------------------------------------------------
     def is_gradient_accumulation_boundary(self) -> bool:

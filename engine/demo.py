@@ -79,7 +79,8 @@ def main() -> None:
     }
     torch.manual_seed(0)
     # ZeRO-3 from construction: each module's parameters are partitioned as soon as it is built, and HF's weight init
-    # (post_init) runs on them gathered, one module at a time; same values as a plain build with this seed.
+    # (post_init) runs on them gathered, one module at a time; same values as a plain build with this seed on the
+    # engine's device (zero.Init builds there; match_cpu_build=True for the plain CPU build's values).
     with engine.zero.Init(config=ds_config, enabled=args.stage == 3):
         config, model = build_model()
     model_engine, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=ds_config)

@@ -4,12 +4,33 @@
 -----------------
 Inside the context every ``nn.Module`` subclass's ``__init__`` is wrapped. When the *outermost* ``__init__`` of an
 instance returns (its own ``reset_parameters`` has run), the module's direct parameters that are not partitioned yet
-are flattened into one buffer (one per dtype, in practice one), broadcast from rank 0 (one collective per buffer: all
-ranks agree on the initial values), and each rank keeps only its slice (:class:`InitUnit`); ``param.data`` becomes an
-empty tensor. Children finish their ``__init__`` before their parent, so at most one module's parameters are ever
-materialised in full. ``engine.initialize`` with stage 3 later re-lays these slices out into its own units, one unit
-at a time. The wrappers call whichever ``Init`` is innermost-active; on exit each is undone unless something
-wrapped it in turn (a class decorator run on a class created inside the context), where it stays as a pass-through.
+are flattened into one buffer (one per dtype, in practice one), all ranks are made to agree on it (below), and each
+rank keeps only its slice (:class:`InitUnit`); ``param.data`` becomes an empty tensor. Children finish their
+``__init__`` before their parent, so at most one module's parameters are ever materialised in full.
+``engine.initialize`` with stage 3 later re-lays these slices out into its own units, one unit at a time. The wrappers
+call whichever ``Init`` is innermost-active; on exit each is undone unless something wrapped it in turn (a class
+decorator run on a class created inside the context), where it stays as a pass-through.
+
+Build paths: how the ranks agree
+--------------------------------
+* **local** (the default). On entry rank 0's generator states (the CPU's and the engine device's) are broadcast
+  once (a few KiB) and set on every rank, and factory calls without a device build on the engine's device
+  (``torch.cuda.current_device()`` next to a GPU -- as DeepSpeed's ``zero.Init`` -- the CPU otherwise; ``torch.device``
+  as a context). Every rank then runs the same init on the same shapes and device from the same generator state, so
+  every rank computes the same full buffer and simply keeps its slice: **no collective per module**, no CPU pass. At
+  7B on a GPU the init itself is a fraction of a second of kernels; what is left is Python per module. To catch a
+  model seeded per rank *inside* the context, or a non-deterministic init, every rank adds each full buffer's fp32
+  sum to a running fingerprint (on the device, no synchronisation) and ``__exit__`` compares the fingerprints (one
+  all-reduce): a mismatch raises :class:`InitDivergedError`. Result: the gathered model is bit for bit a plain build
+  on the engine's device with rank 0's seed (on a CPU-only machine: the plain CPU build). A rank whose own generator
+  states differed from rank 0's gets them back, unadvanced, at exit; the others continue from the advanced state as
+  after a plain build.
+* **match_cpu_build=True**. Modules are built where a plain build puts them (the CPU), and rank 0's values are
+  broadcast, one collective per buffer: bit-identical to a plain CPU build also next to a GPU, whatever the ranks'
+  seeds. HF's init then runs single-threaded on the CPU of every rank (under torchrun's ``OMP_NUM_THREADS=1``):
+  175 s at 7B on 2x H200 where DeepSpeed took 12 s. For tests and reproductions, not for training at scale.
+
+Checkpoint tensors loaded by ``from_pretrained`` (below) are read by rank 0 only and always broadcast.
 
 transformers models: a ``PreTrainedModel``'s ``post_init`` re-initialises weights after its children were partitioned
 (``initialize_weights`` -> ``smart_apply`` -> ``_initialize_weights(module)`` -> ``_init_weights(module)``, children
@@ -19,11 +40,12 @@ caught too): each call for a module not yet ``_is_hf_initialized`` gathers that 
 direct non-``PreTrainedModel`` children's (``_init_weights(attn)`` may write ``attn.q_proj.weight``; the same set as
 transformers' own ``initialize_weights_zero3``) that are not ``_is_hf_initialized`` themselves (loaded by
 ``from_pretrained``: transformers' init functions skip them, and its own ZeRO-3 path does not gather them either),
-runs the original on every rank with the values on the device the module built them on (CPU, also next to a GPU:
-:func:`on_build_device`), then broadcasts rank 0's values and re-partitions them (``modifier_rank=0``). Peak memory:
-one module and its direct children, never the whole model.
+runs the original on every rank with the values on the device, and in the dtype, the module built them in
+(:func:`on_build_device`), then re-partitions them: on the local path each rank keeps its own result (the ranks drew
+from the same generator state; added to the fingerprint), with ``match_cpu_build`` rank 0's values are broadcast
+(``modifier_rank=0``). Peak memory: one module and its direct children, never the whole model.
 Every rank runs the same init calls on the same shapes and devices, so the RNGs advance exactly as without ``Init``:
-with equal seeds the partitions hold bit-for-bit the values of a model built without ``Init``. An
+with equal seeds the partitions hold bit-for-bit the values of a model built without ``Init`` on the build device. An
 ``_init_weights`` that writes parameters deeper than the direct children (a few detection models) writes into
 empty tensors there, as in transformers' own ZeRO-3 path; gather those yourself. Other code that re-initialises
 weights *after* construction sees empty tensors too: wrap it in ``GatheredParameters(params, modifier_rank=0)``, or
@@ -69,11 +91,18 @@ from engine.zero.pretrained import finalize_partitions, load_into_partitions
 _ACTIVE: list["Init"] = []
 
 
+def _fingerprint_add(fingerprint: torch.Tensor, full: torch.Tensor) -> None:
+    """Add a unit's values to the running fingerprint: their fp32 sum (deterministic for a given shape, device and
+    thread count; a float64 sum would cost 30x more on the CPU), NaN/inf made finite so that equal values compare
+    equal."""
+    fingerprint.add_(torch.nan_to_num(full.sum(dtype=torch.float32), nan=0.0, posinf=1e30, neginf=-1e30))
+
+
 class InitUnit:
     """The direct parameters of one module, partitioned at construction time (one slice per rank)."""
 
     def __init__(self, params: list[nn.Parameter], device: torch.device, store_device: torch.device,
-                 built_dtypes: list[torch.dtype] | None = None):
+                 built_dtypes: list[torch.dtype] | None = None, fingerprint: torch.Tensor | None = None):
         self.params = params
         self.shapes = [tuple(p.shape) for p in params]
         self.built_on = [p.device for p in params]  # where the module made them (CPU unless built under a device)
@@ -86,7 +115,9 @@ class InitUnit:
         buf = torch.zeros(self.unit.padded_numel(self.ws), dtype=self.dtype, device=device)
         for slot, p in zip(self.unit.params, params):
             buf[slot.offset: slot.offset + slot.numel].copy_(p.data.reshape(-1))
-        comm.broadcast_(buf, 0)
+        # fingerprint given: every rank computed these values itself (Init's local path), no broadcast
+        self.fingerprint = fingerprint
+        self._agree(buf)
         s = self.unit.slice_numel
         self.slice = buf[self.rank * s:(self.rank + 1) * s].to(store_device, copy=True)
         self.full: torch.Tensor | None = None
@@ -96,6 +127,14 @@ class InitUnit:
             p.ds_shape, p.ds_numel = self.shapes[i], slot.numel
             p._zero_mgr, p._zero_index = self, i
             p._zero_init_store, p._zero_init_slot = self, i
+
+    def _agree(self, full: torch.Tensor) -> None:
+        """Make all ranks hold the same full values: rank 0's (one broadcast), or, on the local path, each rank's own
+        -- equal by construction, checked once at ``Init`` exit through the running fingerprint (no collective)."""
+        if self.fingerprint is None:
+            comm.broadcast_(full, 0)
+        else:
+            _fingerprint_add(self.fingerprint, full)
 
     def gather_full(self) -> torch.Tensor:
         """One all-gather: the unit's full flat buffer (not attached to the parameters)."""
@@ -108,7 +147,9 @@ class InitUnit:
         return full[slot.offset: slot.offset + slot.numel].view(self.shapes[i])
 
     @contextlib.contextmanager
-    def gathered(self, indices, modifier_rank: int | None = None):
+    def gathered(self, indices, modifier_rank: int | None = None, keep_own: bool = False):
+        """Gather the unit; on exit write the parameters back and re-slice: broadcast from ``modifier_rank``, or,
+        with ``keep_own`` (every rank edited identically: Init's local path), each rank its own values."""
         if self.full is None:
             self.full = self.gather_full()
             for i, p in enumerate(self.params):
@@ -118,11 +159,16 @@ class InitUnit:
             yield
         finally:
             self.users -= 1
-            if modifier_rank is not None:
+            if modifier_rank is not None or keep_own:
                 for i, p in enumerate(self.params):
                     slot = self.unit.params[i]
                     self.full[slot.offset: slot.offset + slot.numel].copy_(p.data.reshape(-1))
-                comm.broadcast_(self.full, modifier_rank)
+                if keep_own and self.fingerprint is not None:
+                    _fingerprint_add(self.fingerprint, self.full)
+                elif keep_own:
+                    comm.broadcast_(self.full, 0)
+                else:
+                    comm.broadcast_(self.full, modifier_rank)
                 s = self.unit.slice_numel
                 self.slice.copy_(self.full[self.rank * s:(self.rank + 1) * s])
             if self.users == 0:
@@ -221,10 +267,32 @@ def _gathered_hf_initialize_weights(orig: Callable) -> Callable:
         if getattr(module, "_is_hf_initialized", False):  # already done (an outer model's post_init walks it again)
             return orig(model, module, *args, **kwargs)
         params = [p for p in _hf_init_weights_params(module) if not getattr(p, "_is_hf_initialized", False)]
-        with GatheredParameters(params, modifier_rank=0), on_build_device(params):
+        with _gathered_for_init(params), on_build_device(params):
             return orig(model, module, *args, **kwargs)
     wrapper._zero_wrapped = True
     return wrapper
+
+
+@contextlib.contextmanager
+def _gathered_for_init(params):
+    """``GatheredParameters(params, modifier_rank=0)`` for init code run on every rank, except that on ``Init``'s
+    local path each ``zero.Init`` unit keeps every rank's own result (the ranks computed the same values from the same
+    generator states; the fingerprint checks it at exit) instead of receiving rank 0's: no broadcast."""
+    init = _active()
+    if init is None or not init.local:
+        with GatheredParameters(params, modifier_rank=0):
+            yield
+        return
+    by_mgr: dict = {}
+    for p in params:
+        mgr = p.__dict__.get("_zero_mgr")
+        if mgr is not None:
+            by_mgr.setdefault(id(mgr), (mgr, []))[1].append(p._zero_index)
+    with contextlib.ExitStack() as stack:
+        for mgr, indices in by_mgr.values():
+            own = isinstance(mgr, InitUnit)
+            stack.enter_context(mgr.gathered(indices, None if own else 0, **({"keep_own": True} if own else {})))
+        yield
 
 
 def _active() -> "Init | None":
@@ -274,7 +342,8 @@ def _hf_load_pretrained_model(original, model, state_dict, checkpoint_files, loa
     init = _active()
     if init is None or not _deferred(model):
         return original(model, state_dict, checkpoint_files, load_config, *args, **kwargs)
-    return load_into_partitions(init, model, state_dict, checkpoint_files, load_config), None
+    with init.plain_placement():
+        return load_into_partitions(init, model, state_dict, checkpoint_files, load_config), None
 
 
 @_hf_loading_step
@@ -283,8 +352,9 @@ def _hf_finalize_model_loading(original, model, load_config, loading_info, *args
     init = _active()
     if init is None or not model.__dict__.get("_zero_init_loaded"):
         return original(model, load_config, loading_info, *args, **kwargs)
-    return finalize_partitions(init, model, loading_info,
-                               functools.partial(original, model, load_config, loading_info, *args, **kwargs))
+    with init.plain_placement():
+        return finalize_partitions(init, model, loading_info,
+                                   functools.partial(original, model, load_config, loading_info, *args, **kwargs))
 
 
 def _marked(wrapper):
@@ -358,20 +428,71 @@ def _precision_flags(config) -> tuple[bool, bool]:
     return flags[0], flags[1]
 
 
+class InitDivergedError(RuntimeError):
+    """Ranks computed different initial values on ``Init``'s local path (each rank keeps its own slice)."""
+
+
+class _SharedRng:
+    """Every rank draws from rank 0's generators while ``Init`` builds on the local path: the CPU generator and the
+    build device's, their states broadcast once at entry (a few KiB). A rank whose own states differed (ranks seeded
+    differently) gets them back, unadvanced, at exit; the others keep the advanced shared state, as after a plain
+    build."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.own = self._get()
+        on = _control_device(device)
+        shared = [comm.broadcast_(state.to(on, copy=True), 0).cpu() for state in self.own]
+        self.differed = any(not torch.equal(a, b) for a, b in zip(self.own, shared))
+        if self.differed:
+            self._set(shared)
+
+    def _get(self) -> list[torch.Tensor]:
+        states = [torch.get_rng_state()]
+        if self.device.type == "cuda":
+            states.append(torch.cuda.get_rng_state(self.device))
+        return states
+
+    def _set(self, states: list[torch.Tensor]) -> None:
+        torch.set_rng_state(states[0])
+        if self.device.type == "cuda":
+            torch.cuda.set_rng_state(states[1], self.device)
+
+    def restore(self) -> None:
+        if self.differed:
+            self._set(self.own)
+
+
+def _control_device(device: torch.device) -> torch.device:
+    """Where small collectives go: the NCCL device when the group is NCCL, else the CPU."""
+    return device if device.type == "cuda" and comm.is_initialized() and comm.world_size() > 1 else torch.device("cpu")
+
+
 class Init:
     """Context manager: construct a model with its parameters partitioned across ranks (ZeRO-3).
 
     Accepts DeepSpeed's keyword arguments (``config_dict_or_path``, ``config``, ``remote_device``, ``enabled``,
     ``dtype``, ...); ``remote_device="cpu"`` keeps the slices on CPU. Floating-point parameters are cast to
     :func:`init_dtype` (``config`` wins over ``config_dict_or_path``, as in DeepSpeed).
+
+    Two build paths (see the module docstring):
+
+    * default, *local*: modules are built on the engine's device (``torch.cuda.current_device()`` next to a GPU, the
+      CPU otherwise), every rank drawing from rank 0's generator states, and each rank keeps its slice of the values
+      it computed itself: no broadcast, no CPU pass. The gathered model equals a plain build on that device with
+      rank 0's seed (bit for bit: on the CPU, the plain CPU build).
+    * ``match_cpu_build=True``: modules are built on the CPU, where a plain build puts them, and rank 0's values are
+      broadcast (one collective per module): bit-identical to a plain CPU build also next to a GPU, whatever the
+      ranks' seeds. Slow at scale (HF's init single-threaded on the CPU on every rank); meant for tests.
     """
 
     def __init__(self, module=None, data_parallel_group=None, mem_efficient_linear=True, remote_device=None,
                  pin_memory=False, config_dict_or_path=None, config=None, enabled=True, dtype=None, mpu=None,
-                 **_ignored):
+                 match_cpu_build: bool = False, **_ignored):
         self.enabled = enabled
         self.remote_device = remote_device
         self.dtype = init_dtype(config if config is not None else config_dict_or_path, dtype)
+        self.local = not match_cpu_build
         self._saved: list = []
         self._meta_builds = 0  # > 0 while transformers' from_pretrained builds a model on the meta device
 
@@ -381,6 +502,13 @@ class Init:
         ctx = comm.init_distributed()
         self.device = ctx.device
         self.store_device = torch.device("cpu") if self.remote_device in ("cpu", "nvme") else ctx.device
+        self._fingerprint = self._rng = self._device_mode = None
+        if self.local:
+            self._fingerprint = torch.zeros((), dtype=torch.float64, device=self.device)
+            self._rng = _SharedRng(self.device)
+            if self.device.type != "cpu":  # factory calls without a device build on the accelerator (as DeepSpeed)
+                self._device_mode = torch.device(self.device)
+                self._device_mode.__enter__()
         for cls in _all_subclasses(nn.Module):
             self._patch(cls)
         had = "__init_subclass__" in nn.Module.__dict__
@@ -410,7 +538,28 @@ class Init:
             nn.Module.__init_subclass__ = orig
         else:
             del nn.Module.__init_subclass__
+        if self.local:
+            if self._device_mode is not None:
+                self._device_mode.__exit__(None, None, None)
+            self._rng.restore()
+            if exc[0] is None:
+                self._check_fingerprint()
         return False
+
+    def _check_fingerprint(self) -> None:
+        """One all-reduce: the running sum of every full unit this rank kept a slice of (:func:`_fingerprint_add`)
+        must be the same on every rank, else the slices come from different models."""
+        if comm.world_size() == 1:
+            return
+        both = torch.stack([self._fingerprint, -self._fingerprint]).to(_control_device(self.device))
+        comm.all_reduce_(both, "max")
+        hi, lo = both.tolist()
+        if hi != -lo:
+            raise InitDivergedError(
+                f"zero.Init: ranks computed different initial parameters (fingerprints {-lo!r} .. {hi!r}), although "
+                "they started from rank 0's generator states: the model was seeded per rank inside the context, or "
+                "its init is not deterministic. Seed every rank alike, or build with zero.Init(..., "
+                "match_cpu_build=True) (rank 0's values broadcast)")
 
     def _patch(self, cls) -> None:
         self._patch_init(cls)
@@ -455,20 +604,31 @@ class Init:
                                    "with transformers' from_pretrained, which zero.Init streams into partitions")
             module.__dict__["_zero_init_deferred"] = True  # loaded by engine.zero.pretrained, then partitioned
             params = [p for p in params if not p.is_meta]
-        self.partition(params)
+        self._partition(params, from_rank0=not self.local)
 
     def partition(self, params: list[nn.Parameter]) -> None:
         """Cast ``params`` (one module's, full and not yet partitioned) to :attr:`dtype` if floating-point and
         partition them: one unit per dtype (an integer parameter never shares a flat buffer with floats), each
-        broadcast from rank 0, this rank's slice kept."""
+        broadcast from rank 0 (loaded checkpoints: only rank 0 read them), this rank's slice kept."""
+        self._partition(params, from_rank0=True)
+
+    def _partition(self, params: list[nn.Parameter], from_rank0: bool) -> None:
+        """:meth:`partition`; with ``from_rank0`` false on the local path, each rank keeps its slice of the values it
+        computed itself (no collective; added to the fingerprint checked at exit)."""
         by_dtype: dict[torch.dtype, list[tuple[nn.Parameter, torch.dtype]]] = {}
         for p in params:
             built = p.dtype
             if self.dtype is not None and p.is_floating_point():
                 p.data = p.data.to(self.dtype)
             by_dtype.setdefault(p.dtype, []).append((p, built))
+        fingerprint = None if from_rank0 or not self.local else self._fingerprint
         for group in by_dtype.values():
-            InitUnit([p for p, _ in group], self.device, self.store_device, [b for _, b in group])
+            InitUnit([p for p, _ in group], self.device, self.store_device, [b for _, b in group], fingerprint)
+
+    def plain_placement(self):
+        """Suspend the local path's default device while ``from_pretrained`` loads (tensors land where a plain load
+        puts them; missing keys are initialised as a plain load does, on the CPU, then broadcast from rank 0)."""
+        return torch.device("cpu") if self._device_mode is not None else contextlib.nullcontext()
 
     @contextlib.contextmanager
     def deferring_meta(self):

@@ -21,10 +21,18 @@ Communication phases (``overlap_comm`` on, the default; see :class:`~engine.zero
   module's own backward: the same fetch + prefetch (reverse module order, from the recorded trace). A
   post-accumulate-grad hook on every trainable parameter counts a unit's gradients; once complete they are packed
   into a flat buffer and its reduce-scatter is *issued* (``async_op=True``), the full gradients are freed and the
-  unit released. The handles are waited in issue order (FIFO: the fp32 slice additions happen in the same order as
-  synchronously) when more than ``reduce_bucket_size`` elements are outstanding, and all of them by
-  :meth:`reduce_at_boundary` (before the optimizer step) or :meth:`zero_grads`. :meth:`after_backward` flushes
-  incomplete units in unit order, ends the pass and releases everything left (waiting any in-flight gather first).
+  unit released. The reduced slice goes into the group's :class:`~engine.zero.flat.GradStore` (the stages 0-2
+  scheme: a 16-bit partition the collective writes directly when the reduce dtype is 16-bit, an fp32 accumulator
+  otherwise, or once a unit is reduced a second time in the window; widened to fp32 at the end of every
+  non-boundary backward, so micro-steps accumulate in fp32). The handles are waited in issue order (FIFO: pieces
+  are stored in the same order as synchronously) when more than ``reduce_bucket_size`` elements are outstanding,
+  and all of them by :meth:`reduce_at_boundary` (before the optimizer step) or :meth:`zero_grads`.
+  :meth:`after_backward` flushes incomplete units in unit order, ends the pass and releases everything left
+  (waiting any in-flight gather first).
+* optimizer step: :meth:`grad_partitions` turns the stores into fp32 partitions (``0 + piece``, exactly what a
+  persistent fp32 partition zeroed after each step would hold), dropped by :meth:`zero_grads`. No gradient-sized
+  buffer lives between steps; during forward/backward at most the 16-bit store (2 bytes x partition) with gradient
+  accumulation 1 and a 16-bit reduce dtype (NCCL's default), where a persistent fp32 partition took 4.
 * after the optimizer step: the fp32 master partition is cast into the param partition (no communication);
   persistent units (``numel < stage3_param_persistence_threshold``) and units held by a user context are
   re-gathered: all their all-gathers issued, then all waited.
@@ -48,7 +56,7 @@ from engine import comm
 from engine.offload import HostBuffers, Uploader
 from engine.partition import PartitionTable, Unit
 from engine.zero.collectives import CollectiveQueue
-from engine.zero.flat import pack_unit_grads
+from engine.zero.flat import GradStore, pack_unit_grads
 from engine.zero.prefetch import FetchTrace, Stage3Options
 
 _EMPTY_CACHE: dict = {}
@@ -108,9 +116,12 @@ class PartitionedParamManager:
         self.shapes = [p.ds_shape if hasattr(p, "ds_shape") else tuple(p.shape) for p in params]
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel[:num_trainable_groups]]
-        self.grad_parts = [torch.zeros_like(m) for m in self.masters]
+        self.master_device = master_device
         offloaded = master_device.type == "cpu" and param_device.type == "cuda"
-        self.uploader = Uploader(HostBuffers(pin=True)) if offloaded else None
+        # offloaded next to a GPU: gradient stores and the upload staging are reused pinned host buffers
+        self.host = HostBuffers(pin=True) if offloaded else None
+        self.uploader = Uploader(self.host) if offloaded else None
+        self.stores = self._new_stores()  # this window's reduced gradients (flat.GradStore), none between steps
         self.part = [torch.zeros(n, dtype=compute_dtype, device=param_device) for n in table.group_partition_numel]
         n_units = len(table.units)
         self.full: list[torch.Tensor | None] = [None] * n_units  # gathered flat buffer (maybe still in flight)
@@ -341,38 +352,46 @@ class PartitionedParamManager:
         return hook
 
     # -- gradient reduction ---------------------------------------------------------------------------------------
+    def _new_stores(self) -> list[GradStore]:
+        return [GradStore(n, self.master_device, self.reduce_dtype, host=self.host, key=g)
+                for g, n in enumerate(self.table.group_partition_numel[:self.num_trainable_groups])]
+
     def _reduce_unit(self, unit_id: int) -> None:
         """Pack the unit's gradients (``None`` = zero) into a flat reduce-dtype buffer, free them, reduce-scatter
-        (issued asynchronously with ``overlap_comm``; the sum lands in the fp32 slice in :meth:`_add_reduced`),
+        (issued asynchronously with ``overlap_comm``) into the group's :class:`~engine.zero.flat.GradStore` -- the
+        collective writes the 16-bit store's slice directly when it can, else the piece is stored when it lands --,
         release the unit."""
         unit = self.table.units[unit_id]
+        store = self.stores[unit.group]
+        if store.acc is None and unit.index in store.written:  # a second piece widens low -> fp32: land all first
+            self._drain_reductions()
         flat = torch.empty(self.padded[unit_id], dtype=self.reduce_dtype, device=self.device)
         pack_unit_grads(unit, self.params, flat)
-        out = self.grad_parts[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
         self.stats["reduce_scatters"] += 1
         if self.ws == 1:
-            out.add_(flat.to(device=out.device, dtype=out.dtype))
+            store.add(unit, flat[:unit.slice_numel])
         else:
-            piece = torch.empty(unit.slice_numel, dtype=self.reduce_dtype, device=self.device)
+            direct = store.direct_slice(unit, self.device)
+            piece = direct if direct is not None else torch.empty(unit.slice_numel, dtype=self.reduce_dtype,
+                                                                  device=self.device)
             handle = comm.reduce_scatter_(piece, flat, async_op=self.opts.overlap_comm)
-            self._reductions.push(handle, flat.numel(), functools.partial(self._add_reduced, piece, out),
-                                  keep=(flat,), limit=self.opts.reduce_bucket_size)
+            finish = None if direct is not None else functools.partial(store.add, unit, piece)
+            self._reductions.push(handle, flat.numel(), finish, keep=(piece, flat),
+                                  limit=self.opts.reduce_bucket_size)
         self._pending[unit_id].clear()
         self._reduced[unit_id] = True
         self._release_unless_reused(unit_id)
 
-    @staticmethod
-    def _add_reduced(piece: torch.Tensor, out: torch.Tensor) -> None:
-        """A landed reduce-scatter: add this rank's slice into the fp32 gradient partition."""
-        out.add_(piece.to(device=out.device, dtype=out.dtype))
 
     def _drain_reductions(self) -> None:
         self._reductions.drain()
 
     # -- engine-facing protocol ---------------------------------------------------------------------------------
-    def after_backward(self) -> None:
+    def after_backward(self, boundary: bool = True) -> None:
         """Flush units whose gradients did not all arrive (unused parameters), in unit order; end the pass; release
-        every unit not held by a user context. Reduce-scatters may still be in flight (see reduce_at_boundary)."""
+        every unit not held by a user context. At the boundary reduce-scatters may still be in flight (see
+        reduce_at_boundary); when more micro-steps follow they are finished and the 16-bit stores widened to fp32,
+        so micro-steps accumulate in fp32 (as stage 2)."""
         for unit_id, unit in enumerate(self.table.units):
             if unit.group < self.num_trainable_groups and not self._reduced[unit_id]:
                 self._reduce_unit(unit_id)
@@ -381,16 +400,35 @@ class PartitionedParamManager:
         for unit_id in range(len(self.table.units)):
             self.active[unit_id] = 0
             self._release(unit_id)
+        if not boundary:
+            self._drain_reductions()
+            for store in self.stores:
+                store.widen()
 
     def reduce_at_boundary(self) -> None:
         """Before the optimizer step: wait for the outstanding reduce-scatters (the reductions were issued during
-        backward) and add them into the fp32 gradient partitions, oldest first."""
+        backward) and store them, oldest first."""
         self._drain_reductions()
 
-    def zero_grads(self) -> None:
+    def grad_partitions(self) -> list[torch.Tensor]:
+        """This window's flat fp32 gradient partitions, one per trainable group (made now from the 16-bit stores);
+        the optimizer may scale them in place. Released by :meth:`zero_grads`."""
         self._drain_reductions()
-        for g in self.grad_parts:
-            g.zero_()
+        return [store.fp32() for store in self.stores]
+
+    def zero_grads(self) -> None:
+        """End the window: drop the gradient stores (their memory is freed)."""
+        self._drain_reductions()
+        self.stores = self._new_stores()
+
+    def buffer_bytes(self) -> dict[str, int]:
+        """Bytes of this rank's live gradient buffers (for memory reports and tests)."""
+        out = {"grad_partition_16bit": 0, "grad_partition_fp32": 0}
+        for store in self.stores:
+            for k, v in store.nbytes().items():
+                out[k] += v
+        out["param_grads"] = sum(p.grad.nbytes for p in self.params if p.grad is not None)
+        return out
 
     @torch.no_grad()
     def update_params(self) -> None:

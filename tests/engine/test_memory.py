@@ -1,4 +1,4 @@
-"""Stages 0-2 keep no gradient-sized buffer between steps, and no fp32 gradient partition during forward/backward
+"""Stages 0-3 keep no gradient-sized buffer between steps, and no fp32 gradient partition during forward/backward
 when gradients are reduced in 16 bits -- with results bit-identical to the former persistent-fp32 implementation.
 
 * :class:`GradStore` (pure, one process): the 16-bit store turns into exactly ``0 + piece`` in fp32; a second piece
@@ -8,18 +8,21 @@ when gradients are reduced in 16 bits -- with results bit-identical to the forme
   own accounting, plus a scan of every live Python tensor for fp32 tensors of partition size).
 * bit-identity: every scenario is trained twice in the same process group, once with the engine and once with
   ``LegacyFlatParamManager`` -- the former gradient path (persistent fp32 ``grad_parts``, persistent 16-bit
-  ``grad_bufs`` for stages 0/1), copied here verbatim as the reference -- and the final fp32 masters, losses, loss
+  ``grad_bufs`` for stages 0/1), copied here verbatim as the reference, and ``LegacyPartitionedParamManager`` for
+  stage 3 (its former persistent fp32 ``grad_parts``) -- and the final fp32 masters, losses, loss
   scale and skipped steps must agree bit for bit (bf16/fp16 with gas 1 and 2, both reduce dtypes, fp32, offload,
   fp16 overflow).
 """
 
 from __future__ import annotations
 
+import functools
 import gc
 import json
 from pathlib import Path
 
 import pytest
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -119,6 +122,51 @@ def legacy_manager_class():
     return LegacyFlatParamManager
 
 
+def legacy_stage3_manager_class():
+    """``PartitionedParamManager`` with the gradient path as it was before stage 3 used ``GradStore``."""
+    from engine import comm
+    from engine.zero.flat import pack_unit_grads
+    from engine.zero.stage3 import PartitionedParamManager
+
+    class LegacyPartitionedParamManager(PartitionedParamManager):
+        def __init__(self, *args, **kwargs):
+            super().__init__(*args, **kwargs)
+            self.grad_parts = [torch.zeros_like(m) for m in self.masters]
+
+        def _reduce_unit(self, unit_id):
+            unit = self.table.units[unit_id]
+            flat = torch.empty(self.padded[unit_id], dtype=self.reduce_dtype, device=self.device)
+            pack_unit_grads(unit, self.params, flat)
+            out = self.grad_parts[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
+            if self.ws == 1:
+                out.add_(flat.to(device=out.device, dtype=out.dtype))
+            else:
+                piece = torch.empty(unit.slice_numel, dtype=self.reduce_dtype, device=self.device)
+                handle = comm.reduce_scatter_(piece, flat, async_op=self.opts.overlap_comm)
+                self._reductions.push(handle, flat.numel(), functools.partial(self._add, piece, out),
+                                      keep=(piece, flat), limit=self.opts.reduce_bucket_size)
+            self._pending[unit_id].clear()
+            self._reduced[unit_id] = True
+            self._release_unless_reused(unit_id)
+
+        @staticmethod
+        def _add(piece, out):
+            out.add_(piece.to(device=out.device, dtype=out.dtype))
+
+        def after_backward(self, boundary=True):
+            super().after_backward(boundary=True)
+
+        def grad_partitions(self):
+            return self.grad_parts
+
+        def zero_grads(self):
+            self._drain_reductions()
+            for g in self.grad_parts:
+                g.zero_()
+
+    return LegacyPartitionedParamManager
+
+
 # -- GradStore, pure ---------------------------------------------------------------------------------------------
 def _unit(index, offset, numel):
     from engine.partition import Unit
@@ -186,15 +234,16 @@ class MemModel(nn.Module):
 class Recorder:
     """Per phase: max bytes of fp32 / 16-bit gradient partitions, masters with a ``.grad``, stray fp32 tensors."""
 
-    def __init__(self, eng, scan: bool):
+    def __init__(self, eng, scan: bool, before: set[int] = frozenset()):
         self.eng, self.seen, self.scan = eng, {}, scan
+        self.before = before  # storages alive before this engine existed (engines of earlier scenarios: not ours)
         self.partition_numel = min(eng.mgr.table.group_partition_numel)
         self.phase_prefix = ""
         self.scanned: set[str] = set()  # phases whose live-tensor scan already ran this micro-step (it is slow)
 
     def _stray_fp32(self) -> int:
         """Live Python-visible fp32 tensors of at least partition size that are not masters or Adam moments."""
-        known = {m.untyped_storage().data_ptr() for m in self.eng.optimizer.masters}
+        known = {m.untyped_storage().data_ptr() for m in self.eng.optimizer.masters} | self.before
         for state in self.eng.optimizer.inner.state.values():
             known.update(v.untyped_storage().data_ptr() for v in state.values() if torch.is_tensor(v))
         count = 0
@@ -218,10 +267,14 @@ class Recorder:
 
 def _memory_run(engine, cfg, rank, world_size) -> dict:
     gc.collect()  # engines of earlier scenarios must not count as stray fp32 tensors
+    # stage 2/3 engines are not all collected (their gradient hooks), so also remember what is alive now
+    before = {o.untyped_storage().data_ptr() for o in gc.get_objects()
+              if type(o) in (torch.Tensor, nn.Parameter) and o.dtype == torch.float32}
     torch.manual_seed(0)
     model = MemModel()
     eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
-    rec = Recorder(eng, scan=cfg["gradient_accumulation_steps"] == 1 and "communication_data_type" in cfg)
+    rec = Recorder(eng, scan=cfg["gradient_accumulation_steps"] == 1 and "communication_data_type" in cfg,
+                   before=before)
     model.probe = rec
     for m in model.modules():
         m.register_forward_pre_hook(lambda mod, args: rec("forward"))
@@ -253,6 +306,8 @@ MEMORY = {
     "s1_bf16_gas2": ds_config(1, dtype="bf16", gas=2, clip=1.0, bucket=5000, communication_data_type="bf16"),
     "s2_bf16_gas2": ds_config(2, dtype="bf16", gas=2, clip=1.0, bucket=5000, communication_data_type="bf16"),
     "s2_bf16_fp32comm": ds_config(2, dtype="bf16", gas=1, clip=1.0, bucket=5000),
+    "s3_bf16": ds_config(3, dtype="bf16", gas=1, clip=1.0, bucket=5000, communication_data_type="bf16"),
+    "s3_bf16_gas2": ds_config(3, dtype="bf16", gas=2, clip=1.0, bucket=5000, communication_data_type="bf16"),
 }
 
 
@@ -281,6 +336,19 @@ EXACT = dict([
     _exact("s2_bf16_offload_overlap", 2, dtype="bf16", gas=1, communication_data_type="bf16",
            extra_zero={"overlap_comm": True, "offload_optimizer": {"device": "cpu"}}),
     _exact("s2_fp16_overflow_overlap", 2, dtype="fp16", gas=1, communication_data_type="fp16",
+           extra_zero={"overlap_comm": True}),
+    # stage 3 (overlap_comm is its default): GradStore against the former persistent fp32 partition
+    _exact("s3_bf16_bf16comm", 3, dtype="bf16", gas=1, communication_data_type="bf16",
+           extra_zero={"overlap_comm": False}),
+    _exact("s3_bf16_bf16comm_overlap", 3, dtype="bf16", gas=1, communication_data_type="bf16",
+           extra_zero={"overlap_comm": True}),
+    _exact("s3_bf16_gas2_overlap", 3, dtype="bf16", gas=2, communication_data_type="bf16",
+           extra_zero={"overlap_comm": True}),
+    _exact("s3_bf16_fp32comm_overlap", 3, dtype="bf16", gas=1, extra_zero={"overlap_comm": True}),
+    _exact("s3_fp32_gas2_overlap", 3, gas=2, extra_zero={"overlap_comm": True}),
+    _exact("s3_bf16_offload_overlap", 3, dtype="bf16", gas=1, communication_data_type="bf16",
+           extra_zero={"overlap_comm": True, "offload_optimizer": {"device": "cpu"}}),
+    _exact("s3_fp16_overflow_overlap", 3, dtype="fp16", gas=1, communication_data_type="fp16",
            extra_zero={"overlap_comm": True}),
 ])
 
@@ -311,19 +379,22 @@ def worker(rank: int, world_size: int, out: Path) -> None:
     import engine.api
 
     memory = {name: _memory_run(engine, cfg, rank, world_size) for name, cfg in MEMORY.items()}
-    current = engine.api.FlatParamManager
-    legacy = legacy_manager_class()
+    legacy = {"FlatParamManager": legacy_manager_class(),
+              "PartitionedParamManager": legacy_stage3_manager_class()}
+    current = {name: getattr(engine.api, name) for name in legacy}
     exact = {}
     for name, cfg in EXACT.items():
         overflow = "overflow" in name
         issued = engine.comm.Pending.issued
         new_state, new_meta = _exact_run(engine, cfg, rank, world_size, overflow)
         issued = engine.comm.Pending.issued - issued  # asynchronous collectives (overlap_comm) of the new path
-        engine.api.FlatParamManager = legacy
+        for attr, cls in legacy.items():
+            setattr(engine.api, attr, cls)
         try:
             old_state, old_meta = _exact_run(engine, cfg, rank, world_size, overflow)
         finally:
-            engine.api.FlatParamManager = current
+            for attr, cls in current.items():
+                setattr(engine.api, attr, cls)
         exact[name] = {"same_weights": set(new_state) == set(old_state)
                        and all(_bits(new_state[k]) == _bits(old_state[k]) for k in new_state),
                        "new": new_meta, "old": old_meta, "async_issued": issued}
@@ -337,7 +408,7 @@ def results(tmp_path_factory):
     return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
 
 
-@pytest.mark.parametrize("name", ["s0_bf16", "s1_bf16", "s2_bf16"])
+@pytest.mark.parametrize("name", ["s0_bf16", "s1_bf16", "s2_bf16", "s3_bf16"])
 def test_no_fp32_gradient_partition_during_forward_backward(results, name):
     for r in results:
         seen = r["memory"][name]["seen"]
@@ -348,7 +419,7 @@ def test_no_fp32_gradient_partition_during_forward_backward(results, name):
         assert seen["micro0_step"]["fp32"] == r["memory"][name]["partition_bytes_fp32"]
         assert seen["micro0_step"]["master_grad"] == 1
         assert seen["after_step"] == {"fp32": 0, "low": 0, "master_grad": 0, "stray_fp32": 0}
-        if name == "s2_bf16":  # stage 2 reduces during backward, into the 16-bit store
+        if name in ("s2_bf16", "s3_bf16"):  # stages 2/3 reduce during backward, into the 16-bit store
             assert seen["micro0_backward"]["low"] > 0
         else:  # stages 0/1 reduce at the boundary
             assert seen["micro0_after_backward"]["low"] == 0
@@ -364,6 +435,12 @@ def test_gradient_accumulation_keeps_fp32_from_the_second_micro_step(results):
         # stage 1 accumulates in the 16-bit .grad tensors and reduces once, at the boundary
         assert all(s1[p]["fp32"] == 0 for p in ("micro0_backward", "micro1_forward", "micro1_backward"))
         assert s2["after_step"]["fp32"] == 0 and s1["after_step"]["fp32"] == 0
+        s3 = r["memory"]["s3_bf16_gas2"]["seen"]  # stage 3 as stage 2 (GradStore)
+        full3 = r["memory"]["s3_bf16_gas2"]["partition_bytes_fp32"]
+        assert s3["micro0_forward"]["fp32"] == 0 and s3["micro0_backward"]["fp32"] == 0
+        assert s3["micro0_backward"]["low"] > 0
+        assert s3["micro0_after_backward"]["fp32"] == full3 and s3["micro1_backward"]["fp32"] == full3
+        assert s3["after_step"] == {"fp32": 0, "low": 0, "master_grad": 0, "stray_fp32": 0}
 
 
 def test_fp32_reduce_dtype_allocates_fp32_lazily(results):

@@ -33,7 +33,8 @@ def run_scenarios(rank: int, world_size: int, out: Path, scenarios: list[dict]) 
     for sc in scenarios:
         cfg, seed = sc["cfg"], 0 if rank == 0 else 1000 + rank  # other ranks start elsewhere: rank 0 wins
         if sc["init"]:
-            with engine.zero.Init(config_dict_or_path=cfg):
+            # seeded per rank inside the context: only the broadcast build makes rank 0 win
+            with engine.zero.Init(config_dict_or_path=cfg, match_cpu_build=True):
                 model = build_model(seed)
         else:
             model = build_model(seed)

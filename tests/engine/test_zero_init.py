@@ -1,5 +1,10 @@
 """transformers models built under ``engine.zero.Init`` get HF's weight init, bit for bit.
 
+``Init`` has two build paths; both are tested here on two gloo ranks. ``match_cpu_build=True`` (CPU build, rank 0's
+values broadcast) is the reference the tests below compare bit for bit; the default *local* path (each rank builds
+on its device from rank 0's generator states and keeps its own slice: no broadcast) is tested at the end of the module
+-- on the CPU its device is the CPU, so it too must equal the plain CPU build bit for bit.
+
 Without help, ``post_init`` -> ``_init_weights`` would run on empty (already partitioned) parameters and the model
 would keep PyTorch's default init (a tied Llama then starts at loss ~61 instead of ~ln(vocab)). One spawned pair of
 gloo ranks builds the models under ``Init`` with seed 0; the parent builds the same models in one process without
@@ -101,7 +106,7 @@ def build_under_init(rank: int, world_size: int, out: Path) -> None:
     report = {"first_import_inside": first_import_inside}
     for name, build in BUILDERS.items():
         torch.manual_seed(0)
-        with engine.zero.Init(config=STAGE3):
+        with engine.zero.Init(config=STAGE3, match_cpu_build=True):
             model = build()
         report[f"{name}.rng_after"] = torch.rand(4).tolist()
         report[f"{name}.partitioned"] = all(p.numel() == 0 for p in model.parameters())
@@ -129,7 +134,7 @@ def build_with_dtypes(engine, rank: int, out: Path) -> dict:
                                  ("llama_fp16_explicit", tiny_llama, {"config": BF16, "dtype": torch.float16}),
                                  ("ints_bf16", WithInts, {"config": BF16})):
         torch.manual_seed(0)
-        with engine.zero.Init(**init_kw):
+        with engine.zero.Init(**init_kw, match_cpu_build=True):
             model = build()
         state = _full_state(engine, model)
         state.update({f"buffer:{n}": b.clone() for n, b in model.named_buffers()})
@@ -317,3 +322,106 @@ def test_init_dtype_rule_is_deepspeeds(config, dtype, want):
     probe = object.__new__(InsertPostInitMethodToModuleSubClasses)
     InsertPostInitMethodToModuleSubClasses._set_dtype(probe, DeepSpeedConfig({**STAGE3, **config}), dtype)
     assert probe.dtype == want == init_dtype({**STAGE3, **config}, dtype)
+
+
+# -- the default (local) build path --------------------------------------------------------------------------------
+class RankValued(nn.Module):
+    """A module whose init depends on the rank: the local path's ranks would keep slices of different models."""
+
+    def __init__(self):
+        super().__init__()
+        import torch.distributed as dist
+
+        self.weight = nn.Parameter(torch.full((6,), float(dist.get_rank())))
+
+
+def build_locally(rank: int, world_size: int, out: Path) -> None:
+    """The local path: broadcasts counted (only the generator states may go), seeds equal and unequal across ranks,
+    a rank-dependent init refused; the exact path alongside for the broadcast count."""
+    import engine
+    from engine import comm
+    from engine.zero.init import InitDivergedError
+
+    report, counted = {}, []
+    orig = comm.broadcast_
+
+    def counting(tensor, src=0):
+        counted.append(tensor.numel())
+        return orig(tensor, src)
+    comm.broadcast_ = counting
+    try:
+        for label, seed, kw in (("local", 0, {}), ("local_bf16", 0, {"config": BF16}),
+                                ("local_seed_by_rank", rank, {}), ("exact", 0, {"match_cpu_build": True})):
+            counted.clear()
+            torch.manual_seed(seed)
+            with engine.zero.Init(**{"config": STAGE3, **kw}):
+                model = tiny_llama()
+            report[f"{label}.broadcasts"] = list(counted)
+            report[f"{label}.rng_after"] = torch.rand(4).tolist()
+            report[f"{label}.partitioned"] = all(p.numel() == 0 for p in model.parameters())
+            save_file(_full_state(engine, model), str(out / f"{label}.rank{rank}.safetensors"))
+    finally:
+        comm.broadcast_ = orig
+    report["rng_state_numel"] = torch.get_rng_state().numel()
+    try:
+        with engine.zero.Init(config=STAGE3):
+            RankValued()
+        report["diverged"] = None
+    except InitDivergedError as exc:
+        report["diverged"] = str(exc)
+    (out / f"local.rank{rank}.json").write_text(json.dumps(report))
+
+
+@pytest.fixture(scope="module")
+def built_locally(tmp_path_factory):
+    pytest.importorskip("transformers")
+    out = tmp_path_factory.mktemp("zero_init_local")
+    launch(build_locally, 2, out)
+    reports = [json.loads((out / f"local.rank{r}.json").read_text()) for r in range(2)]
+    states = {(label, r): load_file(str(out / f"{label}.rank{r}.safetensors"))
+              for label in ("local", "local_bf16", "local_seed_by_rank", "exact") for r in range(2)}
+    return reports, states
+
+
+@pytest.mark.parametrize("label,dtype", [("local", None), ("local_bf16", torch.bfloat16),
+                                         ("local_seed_by_rank", None)])
+def test_local_path_slices_form_the_plain_build(built_locally, label, dtype):
+    """Every rank's slices together (gathered on each rank) are the plain build with rank 0's seed on the build
+    device (the CPU here), bit for bit -- also when rank 1 was seeded differently."""
+    _, states = built_locally
+    model, _ = reference("llama")
+    want = {n: p.detach() for n, p in model.named_parameters()}
+    want = _cast(want, dtype) if dtype is not None else want
+    for rank in range(2):
+        got = states[(label, rank)]
+        assert sorted(got) == sorted(want)
+        for n, w in want.items():
+            assert got[n].dtype == w.dtype and torch.equal(got[n], w), (label, rank, n)
+
+
+def test_local_path_broadcasts_no_module(built_locally):
+    """Only the generator state goes over the wire (once, at entry); the exact path broadcasts every module."""
+    reports, _ = built_locally
+    for r in reports:
+        assert r["local.broadcasts"] == [r["rng_state_numel"]]
+        assert r["local_bf16.broadcasts"] == [r["rng_state_numel"]]
+        assert len(r["exact.broadcasts"]) > 10 and r["rng_state_numel"] not in r["exact.broadcasts"]
+        assert r["local.partitioned"] and r["local_seed_by_rank.partitioned"]
+
+
+def test_local_path_generators_advance_as_a_plain_build(built_locally):
+    """Rank 0 (and any rank seeded like it) continues after the build as a plain build leaves the generator; a
+    rank seeded differently gets its own generator back, unadvanced."""
+    reports, _ = built_locally
+    _, rng_after = reference("llama")
+    for r in reports:
+        assert r["local.rng_after"] == r["exact.rng_after"] == rng_after
+    assert reports[0]["local_seed_by_rank.rng_after"] == rng_after
+    torch.manual_seed(1)
+    assert reports[1]["local_seed_by_rank.rng_after"] == torch.rand(4).tolist()
+
+
+def test_local_path_refuses_ranks_that_computed_different_values(built_locally):
+    reports, _ = built_locally
+    for r in reports:
+        assert r["diverged"] and "match_cpu_build=True" in r["diverged"]

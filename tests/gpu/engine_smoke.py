@@ -50,14 +50,15 @@ def config(stage: int, dtype: str, micro: int, offload: bool = False) -> dict:
 
 
 def same_as_plain_build(model, mcfg) -> bool:
-    """Gathered, ``model`` (built under zero.Init with seed 0) equals a plain CPU build with seed 0 cast to the Init
-    dtype (bf16 under a bf16 config), bit for bit; the global RNG is left where the plain build leaves it."""
+    """Gathered, ``model`` (built under zero.Init's default local path with seed 0) equals a plain build with seed 0
+    on the rank's GPU (where that path builds) cast to the Init dtype (bf16 under a bf16 config), bit for bit."""
     from transformers import LlamaForCausalLM
 
     torch.manual_seed(0)
-    plain = dict(LlamaForCausalLM(mcfg).named_parameters())
+    with torch.device("cuda", torch.cuda.current_device()):
+        plain = dict(LlamaForCausalLM(mcfg).named_parameters())
     with engine.zero.GatheredParameters(list(model.parameters())):
-        return all(torch.equal(p.detach().cpu(), plain[n].to(p.dtype)) for n, p in model.named_parameters())
+        return all(torch.equal(p.detach(), plain[n].to(p.dtype)) for n, p in model.named_parameters())
 
 
 def run_stage(stage: int, args, ckpt_root: Path, offload: bool = False) -> list[float]:
