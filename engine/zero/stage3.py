@@ -95,7 +95,7 @@ class PartitionedParamManager:
     def __init__(self, params: list[nn.Parameter], table: PartitionTable, *, num_trainable_groups: int,
                  device: torch.device, param_device: torch.device, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, master_device: torch.device, persistence_threshold: int = 0,
-                 options: Stage3Options | None = None):
+                 options: Stage3Options | None = None, param_files=None):
         self.params, self.table = params, table
         self.device, self.param_device = device, param_device
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
@@ -106,7 +106,12 @@ class PartitionedParamManager:
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel[:num_trainable_groups]]
         self.grad_parts = [torch.zeros_like(m) for m in self.masters]
-        self.part = [torch.zeros(n, dtype=compute_dtype, device=param_device) for n in table.group_partition_numel]
+        # offload_param nvme: ``param_files(group sizes, dtype)`` -> engine.nvme.ParamFiles; no partition in memory
+        self.files = param_files(list(table.group_partition_numel), compute_dtype) if param_files else None
+        self.part = [torch.zeros(0 if self.files else n, dtype=compute_dtype, device=param_device)
+                     for n in table.group_partition_numel]
+        self.master_io = None  # set by an optimizer that keeps the fp32 masters in files (offload_optimizer nvme)
+        self._streamed_cast = False  # the step already cast the masters into the param partitions
         n_units = len(table.units)
         self.full: list[torch.Tensor | None] = [None] * n_units  # gathered flat buffer (maybe still in flight)
         self.pending: list[comm.Pending | None] = [None] * n_units  # all-gather handle, until waited
@@ -153,7 +158,7 @@ class PartitionedParamManager:
             mine = buf[self.rank * s:(self.rank + 1) * s]
             if unit.group < self.num_trainable_groups:
                 self.masters[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
-            self.part[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
+            self._write_part(unit.group, unit.partition_offset, mine)
             for slot in unit.params:
                 p = self.params[slot.index]
                 p.data = _empty(self.compute_dtype, self.device)
@@ -166,12 +171,42 @@ class PartitionedParamManager:
     def _slice(self, unit: Unit) -> torch.Tensor:
         return self.part[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
 
+    def _write_part(self, group: int, offset: int, values: torch.Tensor) -> None:
+        """Store ``values`` (cast to the compute dtype) into the param partition of ``group`` at ``offset``."""
+        if self.files is not None:
+            self.files.write(group, offset, values)
+        else:
+            self.part[group][offset: offset + values.numel()].copy_(values)
+
+    def take_master_chunk(self, group: int, offset: int, chunk: torch.Tensor) -> None:
+        """A streamed optimizer step hands over updated fp32 masters chunk by chunk: cast them into the params."""
+        if self.files is not None and not self._streamed_cast:
+            self.files.drop_staged()
+        self._streamed_cast = True
+        self._write_part(group, offset, chunk)
+
+    def _read_ahead(self) -> None:
+        """offload_param nvme: start file reads of the units the trace says come next (bounded by the pool)."""
+        if self.files is None or self.trace.replay is None:
+            return
+        for _index, units in self.trace.upcoming(self.trace.pos):
+            for u in units:
+                if self.full[u] is None:
+                    unit = self.table.units[u]
+                    if not self.files.read_ahead(u, unit.group, unit.partition_offset, unit.slice_numel):
+                        return
+
     def _issue(self, unit_id: int) -> None:
         """Start the all-gather of ``unit_id`` into a fresh flat buffer: asynchronous with ``overlap_comm`` (the
         handle is kept in ``pending``; parameters are pointed at the buffer by :meth:`_wait`), else synchronous."""
         unit = self.table.units[unit_id]
         full = torch.empty(self.padded[unit_id], dtype=self.compute_dtype, device=self.device)
-        mine = self._slice(unit)
+        if self.files is not None:  # offload_param nvme: read the slice (read ahead if possible) into place
+            s = unit.slice_numel
+            mine = full[self.rank * s:(self.rank + 1) * s]
+            self.files.read_into(unit_id, unit.group, unit.partition_offset, mine)
+        else:
+            mine = self._slice(unit)
         if mine.device != full.device:  # offload_param: copy the slice up, gather in place
             s = unit.slice_numel
             mine = full[self.rank * s:(self.rank + 1) * s].copy_(mine)
@@ -238,6 +273,7 @@ class PartitionedParamManager:
                 self._ahead_numel -= self._ahead.pop(u)
                 self.stats["prefetch_hits"] += 1
         self._prefetch()
+        self._read_ahead()
         for u in units:
             self._wait(u)
 
@@ -401,8 +437,7 @@ class PartitionedParamManager:
         """Cast masters into the param partitions; re-gather persistent units and units held by a user context
         (issue all, then wait all)."""
         self._settle()
-        for g, master in enumerate(self.masters):
-            self.part[g].copy_(master)
+        self._cast_masters()
         stale = [u for u in range(len(self.full)) if self.full[u] is not None]
         for u in stale:
             if not self.persistent[u]:
@@ -412,8 +447,28 @@ class PartitionedParamManager:
         for u in stale:
             self._wait(u)
 
+    def _cast_masters(self) -> None:
+        """fp32 masters -> param partitions (skipped when a streamed step already did it chunk by chunk)."""
+        if self._streamed_cast:
+            self._streamed_cast = False
+            return
+        if self.files is not None:
+            self.files.drop_staged()
+        for g, master in enumerate(self.masters):
+            if self.master_io is not None:
+                for off, chunk in self.master_io.chunks(g):
+                    self._write_part(g, off, chunk)
+            else:
+                self._write_part(g, 0, master)
+
     def refresh_after_load(self) -> None:
+        self._streamed_cast = False
         self.update_params()
+
+    def close(self) -> None:
+        """Remove the parameter files (offload_param nvme)."""
+        if self.files is not None:
+            self.files.close()
 
     # -- user gathering (GatheredParameters, checkpoint export) --------------------------------------------------
     @contextlib.contextmanager
@@ -444,9 +499,14 @@ class PartitionedParamManager:
         comm.broadcast_(full, src)
         s = unit.slice_numel
         mine = full[self.rank * s:(self.rank + 1) * s]
-        self._slice(unit).copy_(mine)
+        if self.files is not None:
+            self.files.drop_staged()
+        self._write_part(unit.group, unit.partition_offset, mine)
         if unit.group < self.num_trainable_groups:
-            self.masters[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
+            if self.master_io is not None:
+                self.master_io.write(unit.group, "fp32_partition", mine, unit.partition_offset)
+            else:
+                self.masters[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
 
     def full_param(self, index: int) -> torch.Tensor:
         """A gathered copy of parameter ``index`` (compute dtype, compute device): one all-gather of its unit."""
