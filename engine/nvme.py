@@ -110,6 +110,7 @@ class ParamFiles:
         self.pool = [self._buffer(pin) for _ in range(max(1, buffer_count))]
         self.spare = self._buffer(pin) if pin else None  # synchronous reads bound for a device
         self.staged: dict[int, tuple[Future, torch.Tensor]] = {}  # unit -> (read, staging buffer)
+        self.tags: dict[int, int] = {}
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="zckpt-nvme-param")
         self.stats = {"reads": 0, "read_ahead_hits": 0, "writes": 0}
 
@@ -121,8 +122,9 @@ class ParamFiles:
         """Host bytes of the staging buffers (fixed at start: the whole in-memory footprint of the params)."""
         return (len(self.pool) + len(self.staged) + (self.spare is not None)) * self.buffer_numel * self.esize
 
-    def read_ahead(self, unit_id: int, group: int, offset: int, numel: int) -> bool:
-        """Start reading a unit's slice on the background thread; False when no staging buffer is free."""
+    def read_ahead(self, unit_id: int, group: int, offset: int, numel: int, tag: int = 0) -> bool:
+        """Start reading a unit's slice on the background thread; False when no staging buffer is free. ``tag``
+        (the caller's event counter) is kept in ``tags`` so the caller can tell reads started earlier."""
         if unit_id in self.staged:
             return True
         if not self.pool or numel > self.buffer_numel:
@@ -130,6 +132,7 @@ class ParamFiles:
         buf = self.pool.pop()[:numel]
         fut = self.reader.submit(pread_into, self.fds[group], buf, offset * self.esize)
         self.staged[unit_id] = (fut, buf)
+        self.tags[unit_id] = tag
         return True
 
     def read_into(self, unit_id: int, group: int, offset: int, out: torch.Tensor) -> None:

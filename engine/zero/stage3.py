@@ -112,6 +112,7 @@ class PartitionedParamManager:
                      for n in table.group_partition_numel]
         self.master_io = None  # set by an optimizer that keeps the fp32 masters in files (offload_optimizer nvme)
         self._streamed_cast = False  # the step already cast the masters into the param partitions
+        self._events = 0  # fetch events so far (tags NVMe read-aheads)
         n_units = len(table.units)
         self.full: list[torch.Tensor | None] = [None] * n_units  # gathered flat buffer (maybe still in flight)
         self.pending: list[comm.Pending | None] = [None] * n_units  # all-gather handle, until waited
@@ -186,15 +187,24 @@ class PartitionedParamManager:
         self._write_part(group, offset, chunk)
 
     def _read_ahead(self) -> None:
-        """offload_param nvme: start file reads of the units the trace says come next (bounded by the pool)."""
+        """offload_param nvme: start file reads of the units the trace says come next (bounded by the pool), on
+        the background thread; tagged with this event's number (see :meth:`_readable`)."""
         if self.files is None or self.trace.replay is None:
             return
         for _index, units in self.trace.upcoming(self.trace.pos):
             for u in units:
                 if self.full[u] is None:
                     unit = self.table.units[u]
-                    if not self.files.read_ahead(u, unit.group, unit.partition_offset, unit.slice_numel):
+                    if not self.files.read_ahead(u, unit.group, unit.partition_offset, unit.slice_numel,
+                                                 self._events):
                         return
+
+    def _readable(self, unit_id: int) -> bool:
+        """May prefetch issue this unit's all-gather? Always without NVMe; with it, only once its file read was
+        started at an earlier event (so the read overlapped compute). Depends only on the trace: same on all ranks."""
+        if self.files is None:
+            return True
+        return unit_id in self.files.staged and self.files.tags[unit_id] < self._events
 
     def _issue(self, unit_id: int) -> None:
         """Start the all-gather of ``unit_id`` into a fresh flat buffer: asynchronous with ``overlap_comm`` (the
@@ -266,6 +276,7 @@ class PartitionedParamManager:
     def fetch_for_hook(self, units: tuple[int, ...]) -> None:
         """A pre-forward / pre-backward event: issue own gathers, prefetch what the trace says comes next, wait."""
         self.trace.event(units)
+        self._events += 1
         for u in units:
             if self.full[u] is None:
                 self._issue(u)
@@ -290,7 +301,7 @@ class PartitionedParamManager:
             for u in units:
                 if self.full[u] is not None:
                     continue
-                if self.live_numel + self.padded[u] > opts.max_live_parameters:
+                if self.live_numel + self.padded[u] > opts.max_live_parameters or not self._readable(u):
                     self._scan = index
                     return
                 self._issue(u)
