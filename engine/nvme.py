@@ -21,7 +21,6 @@ from __future__ import annotations
 import atexit
 import os
 import shutil
-import threading
 import weakref
 from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
@@ -193,7 +192,6 @@ class OptimizerFiles:
         self.slots = [{k: torch.empty(self.chunk, dtype=torch.float32) for k in STATE_KEYS} for _ in range(3)]
         self.reader = ThreadPoolExecutor(1, thread_name_prefix="zckpt-nvme-optim-read")
         self.writer = ThreadPoolExecutor(1, thread_name_prefix="zckpt-nvme-optim-write")
-        self._lock = threading.Lock()
 
     def host_bytes(self) -> int:
         return 3 * len(STATE_KEYS) * self.chunk * 4
