@@ -17,13 +17,14 @@ from _engine_harness import build_model, ds_config, engine_train, launch
 STEPS = 3
 
 
-def _cfg(param: str, optim: str, nvme: Path) -> dict:
+def _cfg(param: str, optim: str, nvme: Path, stage: int = 3, **zero) -> dict:
     def sub(dev):
         return {"device": dev, **({"nvme_path": str(nvme)} if dev == "nvme" else {})}
     # tiny buffers and chunks: many read-aheads and many optimizer chunks even on the toy model
-    extra = {"offload_param": {**sub(param), "buffer_count": 2, "buffer_size": 8},
-             "offload_optimizer": sub(optim), "sub_group_size": 7}
-    return ds_config(3, dtype="bf16", extra_zero=extra)
+    extra = {"offload_optimizer": sub(optim), "sub_group_size": 7, **zero}
+    if stage == 3:
+        extra["offload_param"] = {**sub(param), "buffer_count": 2, "buffer_size": 8}
+    return ds_config(stage, dtype="bf16", clip=1.0, extra_zero=extra)
 
 
 def _files(root: Path) -> list[str]:
@@ -35,9 +36,10 @@ def nvme_worker(rank: int, world_size: int, out: Path) -> None:
 
     nvme = out / f"nvme-rank{rank}"
     report = {}
-    for name, param, optim in (("cpu", "cpu", "cpu"), ("nvme", "nvme", "nvme"), ("param_only", "nvme", "cpu"),
-                               ("optim_only", "cpu", "nvme")):
-        cfg = _cfg(param, optim, nvme)
+    for name, param, optim, zero in (("cpu", "cpu", "cpu", {}), ("nvme", "nvme", "nvme", {}),
+                                     ("param_only", "nvme", "cpu", {}), ("optim_only", "cpu", "nvme", {}),
+                                     ("nvme_sync", "nvme", "nvme", {"overlap_comm": False})):
+        cfg = _cfg(param, optim, nvme, **zero)
         model = build_model(0)
         eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
         losses = engine_train(eng, cfg, STEPS, world_size, rank)
@@ -52,6 +54,14 @@ def nvme_worker(rank: int, world_size: int, out: Path) -> None:
         eng.destroy()
         r["files_after_destroy"] = _files(nvme)
         report[name] = r
+    for optim in ("cpu", "nvme"):  # stages 1/2: moments swapped to files between steps
+        cfg = _cfg("cpu", optim, nvme, stage=2)
+        model = build_model(0)
+        eng, *_ = engine.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        report[f"s2_{optim}"] = {"losses": engine_train(eng, cfg, STEPS, world_size, rank), "files": _files(nvme)}
+        torch.save(eng.fp32_state_dict(), out / f"sd-s2-{optim}-rank{rank}.pt")
+        eng.destroy()
+        report[f"s2_{optim}"]["files_after_destroy"] = _files(nvme)
     # resume across offload settings: nvme -> cpu and cpu -> nvme, 2 more steps each; compare with cpu -> cpu
     for src, param, optim in (("nvme", "cpu", "cpu"), ("cpu", "nvme", "nvme"), ("cpu", "cpu", "cpu")):
         cfg = _cfg(param, optim, nvme)
@@ -76,7 +86,7 @@ def test_nvme_offload_bit_identical_resume_and_cleanup(tmp_path):
         rep = json.loads((tmp_path / f"report{rank}.json").read_text())
         cpu = rep["cpu"]
         assert cpu["files"] == [] and cpu["part_numel"] > 0 and cpu["master_numel"] > 0
-        for name in ("nvme", "param_only", "optim_only"):
+        for name in ("nvme", "param_only", "optim_only", "nvme_sync"):
             r = rep[name]
             assert r["losses"] == cpu["losses"], name
             assert _equal_sd(tmp_path / f"sd-cpu-rank{rank}.pt", tmp_path / f"sd-{name}-rank{rank}.pt"), name
@@ -89,6 +99,10 @@ def test_nvme_offload_bit_identical_resume_and_cleanup(tmp_path):
         assert nv["part_numel"] == 0 and nv["master_numel"] == 0  # nothing kept in memory but staging/chunks
         assert nv["read_ahead_hits"] > 0
         assert rep["param_only"]["master_numel"] > 0 and rep["optim_only"]["part_numel"] > 0
+        s2 = rep["s2_nvme"]
+        assert s2["losses"] == rep["s2_cpu"]["losses"] and s2["files_after_destroy"] == []
+        assert f"{root}/optimizer/group0.exp_avg.bin" in s2["files"]
+        assert _equal_sd(tmp_path / f"sd-s2-cpu-rank{rank}.pt", tmp_path / f"sd-s2-nvme-rank{rank}.pt")
         for src in ("nvme_to_cpu", "cpu_to_nvme"):
             assert rep[f"resume_{src}"]["losses"] == rep["resume_cpu_to_cpu"]["losses"], src
         ref = tmp_path / f"sd-resume-cpu-cpu-rank{rank}.pt"
