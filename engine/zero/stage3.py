@@ -186,12 +186,14 @@ class PartitionedParamManager:
         self._streamed_cast = True
         self._write_part(group, offset, chunk)
 
-    def _read_ahead(self) -> None:
+    def _read_ahead(self, events=None) -> None:
         """offload_param nvme: start file reads of the units the trace says come next (bounded by the pool), on
-        the background thread; tagged with this event's number (see :meth:`_readable`)."""
-        if self.files is None or self.trace.replay is None:
+        the background thread; tagged with this event's number (see :meth:`_readable`). ``events``: a recorded
+        pass to read the start of (after the step: the next training forward) instead of the replay position."""
+        if self.files is None or (events is None and self.trace.replay is None):
             return
-        for _index, units in self.trace.upcoming(self.trace.pos):
+        upcoming = events if events is not None else (units for _i, units in self.trace.upcoming(self.trace.pos))
+        for units in upcoming:
             for u in units:
                 if self.full[u] is None:
                     unit = self.table.units[u]
@@ -457,6 +459,9 @@ class PartitionedParamManager:
             self._issue(u)
         for u in stale:
             self._wait(u)
+        recorded = self.trace._traces.get(True)  # the training pass: read its first units during the step's tail
+        if recorded is not None:
+            self._read_ahead(recorded.events)
 
     def _cast_masters(self) -> None:
         """fp32 masters -> param partitions (skipped when a streamed step already did it chunk by chunk)."""
