@@ -3,8 +3,8 @@
 Directory: ``<nvme_path>/zckpt-engine-rank<r>/`` (one per rank; a stale one left by a killed run is removed and
 re-created at start). Files are raw little-endian element bytes, written with ``os.pwrite`` and read with
 ``os.preadv`` (both release the GIL, so reads on the background thread overlap compute); no O_DIRECT, no libaio, no
-pickle. The directory is removed by :meth:`NvmeDir.close` (engine ``destroy()``, normal end) and at interpreter exit
-(``atexit``).
+pickle. The directory is removed by :meth:`NvmeDir.close` (engine ``destroy()``, normal end), when the engine is
+garbage-collected, at interpreter exit (``weakref.finalize``) and by ``engine.comm.exit_without_finalizing``.
 
 * :class:`ParamFiles` (``offload_param.device = nvme``): ``param.group<g>.bin`` holds group ``g``'s compute-dtype
   partition. Units are read into a pool of ``buffer_count`` staging buffers of ``max(buffer_size, largest unit slice)``
@@ -18,7 +18,6 @@ pickle. The directory is removed by :meth:`NvmeDir.close` (engine ``destroy()``,
 
 from __future__ import annotations
 
-import atexit
 import os
 import shutil
 import weakref
@@ -64,10 +63,9 @@ class NvmeDir:
             shutil.rmtree(path)
         path.mkdir(parents=True)
         self.path = path
-        _LIVE.add(path)
         self.fds: dict[str, int] = {}
-        self._finalizer = weakref.finalize(self, _remove, self.path, self.fds)
-        atexit.register(self._finalizer)
+        self._finalizer = weakref.finalize(self, _remove, self.path, self.fds)  # also runs at interpreter exit
+        _LIVE[path] = self._finalizer
 
     def open(self, fname: str, nbytes: int) -> int:
         fd = os.open(self.path / fname, os.O_RDWR | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -79,11 +77,18 @@ class NvmeDir:
         self._finalizer()
 
 
-_LIVE: set = set()
+_LIVE: dict = {}  # path -> finalizer of every NvmeDir of this process still in use
+
+
+def remove_all() -> None:
+    """Remove every NVMe offload directory of this process (``engine.comm.exit_without_finalizing`` calls it: that
+    exit skips ``atexit``)."""
+    for finalizer in list(_LIVE.values()):
+        finalizer()
 
 
 def _remove(path: Path, fds: dict) -> None:
-    _LIVE.discard(path)
+    _LIVE.pop(path, None)
     for fd in fds.values():
         try:
             os.close(fd)
