@@ -51,6 +51,9 @@ def nvme_worker(rank: int, world_size: int, out: Path) -> None:
             r["param_bytes"] = sum(n for n in eng.table.group_partition_numel) * 2
             r["read_ahead_hits"] = eng.mgr.files.stats["read_ahead_hits"]
         eng.save_checkpoint(out / f"ckpt-{name}", tag="t")
+        if name == "nvme":  # an asynchronous save snapshots from the files too
+            eng.save_checkpoint(out / "ckpt-nvme_async", tag="t", async_save=True)
+            eng.wait_for_checkpoint()
         torch.save(eng.fp32_state_dict(), out / f"sd-{name}-rank{rank}.pt")
         eng.destroy()
         r["files_after_destroy"] = _files(nvme)
@@ -111,7 +114,7 @@ def test_nvme_offload_bit_identical_resume_and_cleanup(tmp_path):
         assert _equal_sd(ref, tmp_path / f"sd-resume-cpu-nvme-rank{rank}.pt")
     # the same checkpoint bytes whatever the offload (the manifest differs only by the config it records)
     for fname in sorted(p.name for p in (tmp_path / "ckpt-cpu" / "t").glob("*.safetensors")):
-        for name in ("nvme", "param_only", "optim_only"):
+        for name in ("nvme", "param_only", "optim_only", "nvme_sync", "nvme_async"):
             assert (tmp_path / f"ckpt-{name}" / "t" / fname).read_bytes() == \
                 (tmp_path / "ckpt-cpu" / "t" / fname).read_bytes(), (name, fname)
 
