@@ -1,7 +1,8 @@
 """Stage 3: parameters partitioned across ranks, gathered per module for forward and backward, released after.
 
 Storage: per group a flat compute-dtype **param partition** (on the compute device, or on CPU with
-``offload_param.device = cpu``); unit ``u``'s slice is ``part[g][u.partition_offset : +S]``. Between uses a parameter's
+``offload_param.device = cpu``, or in a file with ``nvme``: :class:`engine.nvme.ParamFiles`, read ahead of the trace
+into a bounded staging pool); unit ``u``'s slice is ``part[g][u.partition_offset : +S]``. Between uses a parameter's
 ``.data`` is an empty tensor; ``param.ds_shape`` / ``ds_numel`` keep its real size (DeepSpeed names).
 Frozen parameters are partitioned too (an extra group with no fp32 master).
 
