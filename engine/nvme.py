@@ -119,8 +119,7 @@ class ParamFiles:
         self.stats = {"reads": 0, "read_ahead_hits": 0, "writes": 0}
 
     def _buffer(self, pin: bool) -> torch.Tensor:
-        t = torch.empty(self.buffer_numel, dtype=self.dtype)
-        return t.pin_memory() if pin else t
+        return torch.empty(self.buffer_numel, dtype=self.dtype, pin_memory=pin)
 
     def staging_bytes(self) -> int:
         """Host bytes of the staging buffers (fixed at start: the whole in-memory footprint of the params)."""
