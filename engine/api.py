@@ -154,7 +154,7 @@ class Engine(nn.Module):
         self.optimizer = ShardedOptimizer(
             self.mgr.masters, self.group_hparams, opt_cfg,
             sharded=self.stage > 0, dp_world_size=self.ctx.world_size, comm_device=self.device,
-            loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path)
+            loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path, **self._optimizer_files())
         self.lr_scheduler = _make_scheduler(self.config, self.optimizer, lr_scheduler, training_args,
                                             num_training_steps)
         self.training_dataloader = self._dataloader(training_data, collate_fn) if training_data is not None else None
@@ -211,11 +211,38 @@ class Engine(nn.Module):
                 param_device=self.placement.param_device, compute_dtype=self.compute_dtype,
                 reduce_dtype=self._reduce_dtype(), master_device=self.placement.master_device,
                 persistence_threshold=self.config.zero.param_persistence_threshold,
-                options=Stage3Options.from_zero_config(self.config.zero))
+                options=Stage3Options.from_zero_config(self.config.zero), param_files=self._param_files())
             self.mgr.install_hooks(model)
             self.managed = managed
         self.param_names = [canonical[id(p)] for p in self.trainable]
         self.frozen_names = [canonical[id(p)] for p in self.frozen]
+
+    def _param_files(self):
+        """offload_param nvme (stage 3): a factory of :class:`engine.nvme.ParamFiles`, else None."""
+        sub = self.config.zero.offload_param
+        if sub.device != "nvme":
+            return None
+        from engine.nvme import ParamFiles
+
+        pin = self.device.type == "cuda" and bool(sub.pin_memory)
+        return lambda sizes, dtype: ParamFiles(sub.nvme_path, self.ctx.rank, sizes, dtype,
+                                               buffer_count=int(sub.buffer_count),
+                                               buffer_numel=max(int(sub.buffer_size), max(
+                                                   (u.slice_numel for u in self.table.units), default=1)), pin=pin)
+
+    def _optimizer_files(self) -> dict:
+        """offload_optimizer nvme with stage 3: masters and moments in :class:`engine.nvme.OptimizerFiles`,
+        streamed through the step in ``min(sub_group_size, 16M)``-element chunks. (Stages 1/2 keep the simple
+        moments swap of :class:`engine.offload.NvmeStateSwapper`.)"""
+        sub = self.config.zero.offload_optimizer
+        if sub.device != "nvme" or self.stage != 3:
+            return {}
+        from engine.nvme import DEFAULT_CHUNK, OptimizerFiles
+
+        chunk = min(int(self.config.zero.sub_group_size), DEFAULT_CHUNK)
+        files = OptimizerFiles(sub.nvme_path, self.ctx.rank, [m.numel() for m in self.mgr.masters], chunk)
+        self.mgr.master_io = files
+        return {"files": files, "on_master_chunk": self.mgr.take_master_chunk}
 
     def _reduce_dtype(self) -> torch.dtype:
         """``communication_data_type`` if set; else the compute dtype on NCCL, fp32 on gloo (CPU)."""
@@ -336,13 +363,16 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Detach the engine from the model (DeepSpeed's ``destroy``): wait for an asynchronous save, remove the
-        ZeRO manager's hooks. The hooks' closures hold the manager, and the parameters hold the hooks in C++, a cycle
+        ZeRO manager's hooks, remove NVMe offload files. The hooks' closures hold the manager, and the parameters hold the hooks in C++, a cycle
         Python's garbage collector cannot see: without this, a dropped stage 2/3 engine keeps its buffers alive."""
         if getattr(self, "_saver", None) is not None:
             self._saver.wait()
         for handle in getattr(self.mgr, "_hooks", []):
             handle.remove()
         self.mgr._hooks = []
+        if self.stage == 3:  # NVMe offload files are removed
+            self.mgr.close()
+        self.optimizer.close()
 
     # -- checkpoints ------------------------------------------------------------------------------------------------
     def _checkpoint_view(self):

@@ -630,7 +630,7 @@ def _unflatten(view: CheckpointView, fulls: list[torch.Tensor]) -> dict[str, tor
 @torch.no_grad()
 def gather_fp32_state_dict(view: CheckpointView) -> dict[str, torch.Tensor]:
     """Collective. Full fp32 masters (one all-gather per group), frozen params and buffers, on every rank (CPU)."""
-    out = _unflatten(view, _gather_flat(view, view.optimizer.masters))
+    out = _unflatten(view, _gather_flat(view, list(view.optimizer.master_tensors().values())))
     for k, name in enumerate(view.frozen_names):
         out[name] = frozen_value(view, k).detach().cpu().clone()
     for name, buf in _named_buffers(view.module):

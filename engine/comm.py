@@ -240,6 +240,9 @@ def exit_without_finalizing(code: int = 0) -> None:
     checkpoint = sys.modules.get("engine.checkpoint")
     if checkpoint is not None:
         checkpoint.join_pending_saves()  # an asynchronous save still writing finishes first
+    nvme = sys.modules.get("engine.nvme")
+    if nvme is not None:
+        nvme.remove_all()  # NVMe offload files (os._exit skips atexit)
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(code)

@@ -6,16 +6,30 @@
   :mod:`engine.zero.flat`; stage 3 adds into a persistent fp32 partition); the Adam step runs on CPU (torch foreach
   kernels); updated masters are copied back and cast into the compute-dtype parameters. On a CPU-only machine this
   is the default placement anyway.
-* ``offload_optimizer.device = nvme``: as CPU, and additionally the Adam moments are written to raw files under
-  ``nvme_path`` after every step and read back before the next one (:class:`NvmeStateSwapper`). Simple and correct,
-  **not optimised** (synchronous, no double buffering, no O_DIRECT).
+* ``offload_optimizer.device = nvme``, **stage 3**: the fp32 masters and both Adam moments live in files
+  (:class:`engine.nvme.OptimizerFiles`, ``<nvme_path>/zckpt-engine-rank<r>/optimizer/``); the step streams each
+  group through a bounded host buffer in chunks of ``min(sub_group_size, 16M)`` elements (read chunk i+1 / step
+  chunk i / write chunk i-1 back, on two I/O threads: 3 slots x 3 fp32 tensors x chunk), with the same torch Adam
+  kernel and arguments as the CPU path (bit-identical, tested). Each updated master chunk is cast straight into the
+  parameter partition (memory or file). The fp32 gradient partition stays on CPU as with ``cpu``.
+  Stages 1/2: as CPU, plus the Adam moments swapped to files between steps (:class:`NvmeStateSwapper`: synchronous,
+  whole tensors; DeepSpeed offers NVMe optimizer offload for stage 3 only).
 * ``offload_param.device = cpu`` (stage 3): the compute-dtype parameter partitions live on CPU; each gather copies the
   rank's slice to the device, all-gathers there, and the full unit is freed after use.
+* ``offload_param.device = nvme`` (stage 3): the compute-dtype partitions live in files
+  (:class:`engine.nvme.ParamFiles`, ``.../param/``); nothing of them is kept in memory except ``buffer_count``
+  staging buffers of ``max(buffer_size, largest unit slice)`` elements (pinned on CUDA with ``pin_memory``). The
+  units of the next recorded events are read ahead on a background thread; a unit's all-gather is prefetched only
+  once its read started at an earlier event. Written back (cast from the masters) after every step.
+
+Files are removed by ``Engine.destroy()`` and at interpreter exit; a stale directory from a killed run is replaced.
+Checkpoints read the state back from the files: the same bytes whatever the offload, and a run can resume with
+another offload setting. **Not optimised**: plain ``pread``/``pwrite`` through the page cache (no O_DIRECT, no
+libaio/io_uring, no GPUDirect Storage), one I/O thread each way, ``max_in_cpu`` and ``pipeline_read/write`` ignored.
 """
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -134,13 +148,16 @@ def allocate(numel: int, device: torch.device, pin: bool) -> torch.Tensor:
 class NvmeStateSwapper:
     """Moves an optimizer's tensor state to raw files between steps (one file per group and state key).
 
-    Files: ``<nvme_path>/zckpt-engine-rank<r>/group<g>.<key>.bin``, raw little-endian element bytes (numpy
+    Stages 1/2 only (stage 3 streams masters and moments through :class:`engine.nvme.OptimizerFiles`).
+    Files: ``<nvme_path>/zckpt-engine-rank<r>/optimizer/group<g>.<key>.bin``, raw little-endian element bytes (numpy
     ``tofile``; no pickle). While swapped out, each state tensor is replaced by an empty tensor of the same dtype.
     """
 
     def __init__(self, nvme_path: str, rank: int):
-        self.dir = Path(nvme_path) / f"zckpt-engine-rank{rank}"
-        self.dir.mkdir(parents=True, exist_ok=True)
+        from engine.nvme import NvmeDir
+
+        self._dir = NvmeDir(nvme_path, rank, "optimizer")  # fresh; removed by cleanup() or at exit
+        self.dir = self._dir.path
         self.meta: dict[tuple[int, str], tuple[tuple[int, ...], torch.dtype, torch.device]] = {}
         self.swapped = False
 
@@ -172,5 +189,4 @@ class NvmeStateSwapper:
         self.swapped = False
 
     def cleanup(self) -> None:
-        for f in self.dir.glob("group*.bin"):
-            os.unlink(f)
+        self._dir.close()

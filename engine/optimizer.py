@@ -106,7 +106,8 @@ class ShardedOptimizer:
     """Adam(W) over flat fp32 partitions; exposes ``param_groups`` so schedulers and user code can read/set lr."""
 
     def __init__(self, masters: list[torch.Tensor], group_hparams: list[dict], opt_cfg, *, sharded: bool,
-                 dp_world_size: int, comm_device: torch.device, loss_scaler=None, nvme_path: str | None = None):
+                 dp_world_size: int, comm_device: torch.device, loss_scaler=None, nvme_path: str | None = None,
+                 files=None, on_master_chunk=None):
         cls, defaults = resolve_adam(opt_cfg)
         self.masters = masters
         self.sharded, self.dp_world_size, self.comm_device = sharded, dp_world_size, comm_device
@@ -125,7 +126,14 @@ class ShardedOptimizer:
         self.fused = on_cuda or offloaded
         self.inner = cls(groups, **defaults, **({"fused": True} if self.fused else {"foreach": True}))
         self.param_groups = self.inner.param_groups
-        self.swapper = NvmeStateSwapper(nvme_path, comm.rank()) if nvme_path else None
+        self.swapper = NvmeStateSwapper(nvme_path, comm.rank()) if nvme_path and files is None else None
+        # offload_optimizer nvme (stage 3): masters and moments live in engine.nvme.OptimizerFiles
+        self.files, self.on_master_chunk = files, on_master_chunk
+        self.steps: list[torch.Tensor | None] = [None] * len(masters)  # per-group Adam step while streamed
+        if files is not None:
+            for g, m in enumerate(masters):
+                files.write(g, "fp32_partition", m)
+                m.data = torch.empty(0, dtype=torch.float32)  # the masters now live in the file only
         self.step_threads = host_step_threads() if offloaded else None  # None: leave the thread count alone
         self.last_grad_norm: float | None = None
         self.skipped_steps = 0
@@ -171,6 +179,9 @@ class ShardedOptimizer:
             coef = inv * min(1.0, clip / (self.last_grad_norm + 1e-6))
         if coef != 1.0:
             torch._foreach_mul_(grads, coef)
+        if self.files is not None:
+            self._streamed_step(grads)
+            return False
         if self.swapper is not None:
             self.swapper.swap_in(self.inner)
         for m, g in zip(self.masters, grads):
@@ -237,15 +248,55 @@ class ShardedOptimizer:
         for state in states:
             state["step"] += 1
 
+    def _streamed_step(self, grads: list[torch.Tensor]) -> None:
+        """The Adam step chunk by chunk through the files: the same torch functional kernel and arguments as
+        ``self.inner.step()`` (elementwise, so chunking changes no bit); each updated master chunk is handed to
+        ``on_master_chunk(group, offset, chunk)`` (stage 3 casts it into the parameter partition)."""
+        from torch.optim.adam import adam
+
+        for g, group in enumerate(self.param_groups):
+            if self.steps[g] is None:
+                self.steps[g] = torch.tensor(0.0, dtype=torch.float32)
+            step_before = self.steps[g].clone()
+            grad = grads[g]
+            beta1, beta2 = group["betas"]
+
+            def one(off, views, group=group, grad=grad, beta1=beta1, beta2=beta2, g=g):
+                n = views["fp32_partition"].numel()
+                adam([views["fp32_partition"]], [grad[off: off + n]], [views["exp_avg"]], [views["exp_avg_sq"]], [],
+                     [step_before.clone()], foreach=group.get("foreach"), capturable=False, differentiable=False,
+                     fused=None, has_complex=False, decoupled_weight_decay=group.get("decoupled_weight_decay", self.kind == "adamw"),
+                     amsgrad=group.get("amsgrad", False), beta1=beta1, beta2=beta2, lr=group["lr"],
+                     weight_decay=group["weight_decay"], eps=group["eps"], maximize=group.get("maximize", False))
+                if self.on_master_chunk is not None:
+                    self.on_master_chunk(g, off, views["fp32_partition"])
+
+            self.files.stream(g, one)
+            self.steps[g] += 1
+
+    def close(self) -> None:
+        """Remove the optimizer files (offload_optimizer nvme)."""
+        if self.files is not None:
+            self.files.close()
+        if self.swapper is not None:
+            self.swapper.cleanup()
+
     def zero_grad(self, set_to_none: bool = False) -> None:
         """Gradients are owned by the engine (zeroed after every step); kept for API compatibility."""
 
     # -- state for checkpoints ----------------------------------------------------------------------------------
     def master_tensors(self) -> dict[str, torch.Tensor]:
+        """``group{g}.fp32_partition`` per group (read back from the files with offload_optimizer nvme)."""
+        if self.files is not None:
+            return {f"group{g}.fp32_partition": self.files.read(g, "fp32_partition") for g in range(len(self.masters))}
         return {f"group{g}.fp32_partition": m.detach() for g, m in enumerate(self.masters)}
 
     def state_tensors(self) -> dict[str, torch.Tensor]:
         """Adam moments and step per group, keyed ``group{g}.{state key}``."""
+        if self.files is not None:
+            return {f"group{g}.{key}": (self.steps[g].clone() if key == "step" else self.files.read(g, key))
+                    for g in range(len(self.masters)) if self.steps[g] is not None
+                    for key in ("step", "exp_avg", "exp_avg_sq")}
         if self.swapper is not None:
             self.swapper.swap_in(self.inner)
         out = {}
@@ -265,6 +316,8 @@ class ShardedOptimizer:
     def state_keys(self) -> tuple[str, ...]:
         """The per-parameter state tensors held now (Adam: exp_avg, exp_avg_sq; none before the first step), each
         shaped like the master partition; ``step`` is per group and not listed."""
+        if self.files is not None:
+            return ("exp_avg", "exp_avg_sq") if any(s is not None for s in self.steps) else ()
         keys: dict[str, None] = {}
         for m in self.masters:
             keys.update((k, None) for k in self.inner.state.get(m, {}) if k != "step")
@@ -276,13 +329,19 @@ class ShardedOptimizer:
     def load_masters(self, tensors: dict[str, torch.Tensor]) -> None:
         for g, m in enumerate(self.masters):
             src = tensors[f"group{g}.fp32_partition"]
-            if src.numel() != m.numel():
-                raise ValueError(f"group {g}: checkpoint partition has {src.numel()} elements, engine {m.numel()}")
+            numel = self.files.numel[g] if self.files is not None else m.numel()
+            if src.numel() != numel:
+                raise ValueError(f"group {g}: checkpoint partition has {src.numel()} elements, engine {numel}")
+            if self.files is not None:
+                self.files.write(g, "fp32_partition", src)
+                continue
             with torch.no_grad():
                 m.copy_(src)
 
     def load_state(self, tensors: dict[str, torch.Tensor], hparams: list[dict] | None) -> None:
-        for g, m in enumerate(self.masters):
+        if self.files is not None:
+            self._load_state_files(tensors)
+        for g, m in enumerate(self.masters if self.files is None else ()):
             prefix = f"group{g}."
             state = {}
             for key, value in tensors.items():
@@ -298,6 +357,14 @@ class ShardedOptimizer:
         if self.swapper is not None:
             self.swapper.swapped = False
             self.swapper.swap_out(self.inner)
+
+    def _load_state_files(self, tensors: dict[str, torch.Tensor]) -> None:
+        for g in range(len(self.masters)):
+            step = tensors.get(f"group{g}.step")
+            self.steps[g] = None if step is None else step.to("cpu", torch.float32, copy=True).reshape(())
+            for key in ("exp_avg", "exp_avg_sq"):
+                value = tensors.get(f"group{g}.{key}")
+                self.files.write(g, key, value if value is not None else torch.zeros(self.files.numel[g]))
 
     def state_dict(self) -> dict:
         """Torch-style state dict of the inner optimizer (for callers that expect one; checkpoints use safetensors)."""

@@ -1,7 +1,8 @@
 """Stage 3: parameters partitioned across ranks, gathered per module for forward and backward, released after.
 
 Storage: per group a flat compute-dtype **param partition** (on the compute device, or on CPU with
-``offload_param.device = cpu``); unit ``u``'s slice is ``part[g][u.partition_offset : +S]``. Between uses a parameter's
+``offload_param.device = cpu``, or in a file with ``nvme``: :class:`engine.nvme.ParamFiles`, read ahead of the trace
+into a bounded staging pool); unit ``u``'s slice is ``part[g][u.partition_offset : +S]``. Between uses a parameter's
 ``.data`` is an empty tensor; ``param.ds_shape`` / ``ds_numel`` keep its real size (DeepSpeed names).
 Frozen parameters are partitioned too (an extra group with no fp32 master).
 
@@ -106,7 +107,7 @@ class PartitionedParamManager:
     def __init__(self, params: list[nn.Parameter], table: PartitionTable, *, num_trainable_groups: int,
                  device: torch.device, param_device: torch.device, compute_dtype: torch.dtype,
                  reduce_dtype: torch.dtype, master_device: torch.device, persistence_threshold: int = 0,
-                 options: Stage3Options | None = None):
+                 options: Stage3Options | None = None, param_files=None):
         self.params, self.table = params, table
         self.device, self.param_device = device, param_device
         self.compute_dtype, self.reduce_dtype = compute_dtype, reduce_dtype
@@ -122,7 +123,13 @@ class PartitionedParamManager:
         self.host = HostBuffers(pin=True) if offloaded else None
         self.uploader = Uploader(self.host) if offloaded else None
         self.stores = self._new_stores()  # this window's reduced gradients (flat.GradStore), none between steps
-        self.part = [torch.zeros(n, dtype=compute_dtype, device=param_device) for n in table.group_partition_numel]
+        # offload_param nvme: ``param_files(group sizes, dtype)`` -> engine.nvme.ParamFiles; no partition in memory
+        self.files = param_files(list(table.group_partition_numel), compute_dtype) if param_files else None
+        self.part = [torch.zeros(0 if self.files else n, dtype=compute_dtype, device=param_device)
+                     for n in table.group_partition_numel]
+        self.master_io = None  # set by an optimizer that keeps the fp32 masters in files (offload_optimizer nvme)
+        self._streamed_cast = False  # the step already cast the masters into the param partitions
+        self._events = 0  # fetch events so far (tags NVMe read-aheads)
         n_units = len(table.units)
         self.full: list[torch.Tensor | None] = [None] * n_units  # gathered flat buffer (maybe still in flight)
         self.pending: list[comm.Pending | None] = [None] * n_units  # all-gather handle, until waited
@@ -168,7 +175,7 @@ class PartitionedParamManager:
             mine = buf[self.rank * s:(self.rank + 1) * s]
             if unit.group < self.num_trainable_groups:
                 self.masters[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
-            self.part[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
+            self._write_part(unit.group, unit.partition_offset, mine)
             for slot in unit.params:
                 p = self.params[slot.index]
                 p.data = _empty(self.compute_dtype, self.device)
@@ -181,12 +188,53 @@ class PartitionedParamManager:
     def _slice(self, unit: Unit) -> torch.Tensor:
         return self.part[unit.group][unit.partition_offset: unit.partition_offset + unit.slice_numel]
 
+    def _write_part(self, group: int, offset: int, values: torch.Tensor) -> None:
+        """Store ``values`` (cast to the compute dtype) into the param partition of ``group`` at ``offset``."""
+        if self.files is not None:
+            self.files.write(group, offset, values)
+        else:
+            self.part[group][offset: offset + values.numel()].copy_(values)
+
+    def take_master_chunk(self, group: int, offset: int, chunk: torch.Tensor) -> None:
+        """A streamed optimizer step hands over updated fp32 masters chunk by chunk: cast them into the params."""
+        if self.files is not None and not self._streamed_cast:
+            self.files.drop_staged()
+        self._streamed_cast = True
+        self._write_part(group, offset, chunk)
+
+    def _read_ahead(self, events=None) -> None:
+        """offload_param nvme: start file reads of the units the trace says come next (bounded by the pool), on
+        the background thread; tagged with this event's number (see :meth:`_readable`). ``events``: a recorded
+        pass to read the start of (after the step: the next training forward) instead of the replay position."""
+        if self.files is None or (events is None and self.trace.replay is None):
+            return
+        upcoming = events if events is not None else (units for _i, units in self.trace.upcoming(self.trace.pos))
+        for units in upcoming:
+            for u in units:
+                if self.full[u] is None:
+                    unit = self.table.units[u]
+                    if not self.files.read_ahead(u, unit.group, unit.partition_offset, unit.slice_numel,
+                                                 self._events):
+                        return
+
+    def _readable(self, unit_id: int) -> bool:
+        """May prefetch issue this unit's all-gather? Always without NVMe; with it, only once its file read was
+        started at an earlier event (so the read overlapped compute). Depends only on the trace: same on all ranks."""
+        if self.files is None:
+            return True
+        return unit_id in self.files.staged and self.files.tags[unit_id] < self._events
+
     def _issue(self, unit_id: int) -> None:
         """Start the all-gather of ``unit_id`` into a fresh flat buffer: asynchronous with ``overlap_comm`` (the
         handle is kept in ``pending``; parameters are pointed at the buffer by :meth:`_wait`), else synchronous."""
         unit = self.table.units[unit_id]
         full = torch.empty(self.padded[unit_id], dtype=self.compute_dtype, device=self.device)
-        mine = self._slice(unit)
+        if self.files is not None:  # offload_param nvme: read the slice (read ahead if possible) into place
+            s = unit.slice_numel
+            mine = full[self.rank * s:(self.rank + 1) * s]
+            self.files.read_into(unit_id, unit.group, unit.partition_offset, mine)
+        else:
+            mine = self._slice(unit)
         if mine.device != full.device:  # offload_param: copy the slice up, gather in place
             s = unit.slice_numel
             mine = full[self.rank * s:(self.rank + 1) * s].copy_(mine)
@@ -246,6 +294,7 @@ class PartitionedParamManager:
     def fetch_for_hook(self, units: tuple[int, ...]) -> None:
         """A pre-forward / pre-backward event: issue own gathers, prefetch what the trace says comes next, wait."""
         self.trace.event(units)
+        self._events += 1
         for u in units:
             if self.full[u] is None:
                 self._issue(u)
@@ -253,6 +302,7 @@ class PartitionedParamManager:
                 self._ahead_numel -= self._ahead.pop(u)
                 self.stats["prefetch_hits"] += 1
         self._prefetch()
+        self._read_ahead()
         for u in units:
             self._wait(u)
 
@@ -269,7 +319,7 @@ class PartitionedParamManager:
             for u in units:
                 if self.full[u] is not None:
                     continue
-                if self.live_numel + self.padded[u] > opts.max_live_parameters:
+                if self.live_numel + self.padded[u] > opts.max_live_parameters or not self._readable(u):
                     self._scan = index
                     return
                 self._issue(u)
@@ -435,16 +485,7 @@ class PartitionedParamManager:
         """Cast masters into the param partitions; re-gather persistent units and units held by a user context
         (issue all, then wait all)."""
         self._settle()
-        up = self.uploader
-        if up is not None:
-            up.begin()
-        for g, master in enumerate(self.masters):
-            if up is not None:  # host cast into pinned staging, copied without waiting (engine.offload.Uploader)
-                up.copy(self.part[g], master, g, 0, master.numel())
-            else:
-                self.part[g].copy_(master)
-        if up is not None:
-            up.end()
+        self._cast_masters()
         stale = [u for u in range(len(self.full)) if self.full[u] is not None]
         for u in stale:
             if not self.persistent[u]:
@@ -453,9 +494,39 @@ class PartitionedParamManager:
             self._issue(u)
         for u in stale:
             self._wait(u)
+        recorded = self.trace._traces.get(True)  # the training pass: read its first units during the step's tail
+        if recorded is not None:
+            self._read_ahead(recorded.events)
+
+    def _cast_masters(self) -> None:
+        """fp32 masters -> param partitions (skipped when a streamed step already did it chunk by chunk)."""
+        if self._streamed_cast:
+            self._streamed_cast = False
+            return
+        if self.files is not None:
+            self.files.drop_staged()
+        up = self.uploader if self.files is None and self.master_io is None else None
+        if up is not None:
+            up.begin()
+        for g, master in enumerate(self.masters):
+            if self.master_io is not None:
+                for off, chunk in self.master_io.chunks(g):
+                    self._write_part(g, off, chunk)
+            elif up is not None:  # host cast into pinned staging, copied without waiting (engine.offload.Uploader)
+                up.copy(self.part[g], master, g, 0, master.numel())
+            else:
+                self._write_part(g, 0, master)
+        if up is not None:
+            up.end()
 
     def refresh_after_load(self) -> None:
+        self._streamed_cast = False
         self.update_params()
+
+    def close(self) -> None:
+        """Remove the parameter files (offload_param nvme)."""
+        if self.files is not None:
+            self.files.close()
 
     # -- user gathering (GatheredParameters, checkpoint export) --------------------------------------------------
     @contextlib.contextmanager
@@ -486,9 +557,14 @@ class PartitionedParamManager:
         comm.broadcast_(full, src)
         s = unit.slice_numel
         mine = full[self.rank * s:(self.rank + 1) * s]
-        self._slice(unit).copy_(mine)
+        if self.files is not None:
+            self.files.drop_staged()
+        self._write_part(unit.group, unit.partition_offset, mine)
         if unit.group < self.num_trainable_groups:
-            self.masters[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
+            if self.master_io is not None:
+                self.master_io.write(unit.group, "fp32_partition", mine, unit.partition_offset)
+            else:
+                self.masters[unit.group][unit.partition_offset: unit.partition_offset + s].copy_(mine)
 
     def full_param(self, index: int) -> torch.Tensor:
         """A gathered copy of parameter ``index`` (compute dtype, compute device): one all-gather of its unit."""
