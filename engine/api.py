@@ -154,7 +154,8 @@ class Engine(nn.Module):
         self.optimizer = ShardedOptimizer(
             self.mgr.masters, self.group_hparams, opt_cfg,
             sharded=self.stage > 0, dp_world_size=self.ctx.world_size, comm_device=self.device,
-            loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path, **self._optimizer_files())
+            loss_scaler=self.loss_scaler, nvme_path=self.placement.nvme_path, **self._optimizer_files(),
+            widen_chunk=int(self.config.zero.sub_group_size))
         self.lr_scheduler = _make_scheduler(self.config, self.optimizer, lr_scheduler, training_args,
                                             num_training_steps)
         self.training_dataloader = self._dataloader(training_data, collate_fn) if training_data is not None else None

@@ -24,6 +24,13 @@ bucket by bucket -- each :class:`StepBucket` names ranges of the master partitio
 all-gather is in flight while bucket k+1 is stepped. Adam is elementwise: the same kernels on slices give the same
 bits as on the whole partition (the inner optimizer steps views of the masters and of its state); the ``step``
 counter is advanced once, after the last bucket.
+
+16-bit gradient partitions (stage 3, :meth:`engine.zero.stage3.PartitionedParamManager.grad_partitions`, when the
+window's reduced gradients are still the reduce dtype on the device): the overflow check and the norm read them as
+they are (``vector_norm(..., dtype=float32)``: the same values as their fp32 widening), and phase 3 runs chunk by chunk
+(``widen_chunk`` elements, DeepSpeed's ``sub_group_size``): each chunk is widened to fp32 (``0 + x``, exactly what the
+whole partition's widening gives), scaled, stepped and dropped, so the step holds one fp32 chunk rather than an fp32
+copy of the whole partition beside the 16-bit one.
 """
 
 from __future__ import annotations
@@ -102,14 +109,27 @@ def _threads(n: int | None):
         torch.set_num_threads(before)
 
 
+def _nothing() -> None:
+    pass
+
+
+def _widen(low: torch.Tensor, coef: float) -> torch.Tensor:
+    """fp32 ``0 + low`` (exact; -0 becomes +0, as the stores' fp32 widening gives), times ``coef``."""
+    out = torch.zeros(low.shape, dtype=torch.float32, device=low.device).add_(low)
+    if coef != 1.0:
+        out.mul_(coef)
+    return out
+
+
 class ShardedOptimizer:
     """Adam(W) over flat fp32 partitions; exposes ``param_groups`` so schedulers and user code can read/set lr."""
 
     def __init__(self, masters: list[torch.Tensor], group_hparams: list[dict], opt_cfg, *, sharded: bool,
                  dp_world_size: int, comm_device: torch.device, loss_scaler=None, nvme_path: str | None = None,
-                 files=None, on_master_chunk=None):
+                 files=None, on_master_chunk=None, widen_chunk: int = 1_000_000_000):
         cls, defaults = resolve_adam(opt_cfg)
         self.masters = masters
+        self.widen_chunk = max(1, int(widen_chunk))  # elements widened to fp32 at a time from 16-bit gradients
         self.sharded, self.dp_world_size, self.comm_device = sharded, dp_world_size, comm_device
         self.loss_scaler = loss_scaler
         for m in masters:
@@ -150,8 +170,10 @@ class ShardedOptimizer:
 
     def _global_norm(self, grads: list[torch.Tensor], inv: float) -> float:
         sq = torch.zeros((), dtype=torch.float32, device=self.comm_device)
-        for g in grads:
-            sq += torch.linalg.vector_norm(g).to(self.comm_device) ** 2
+        for g in grads:  # a 16-bit partition: the norm of its exact fp32 values, with no fp32 copy
+            norm = torch.linalg.vector_norm(g) if g.dtype == torch.float32 else torch.linalg.vector_norm(
+                g, dtype=torch.float32)
+            sq += norm.to(self.comm_device) ** 2
         if self.sharded:
             comm.all_reduce_(sq)
         return math.sqrt(float(sq)) * inv
@@ -160,8 +182,9 @@ class ShardedOptimizer:
              buckets: Sequence[StepBucket] | None = None) -> bool:
         """Average, unscale, clip and apply one Adam step. Returns True when the step was skipped (fp16 overflow).
 
-        ``grads``: the step's flat fp32 gradient partitions, one per group (same layout as the masters); they are
-        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs. ``buckets``: run the
+        ``grads``: the step's flat gradient partitions, one per group (same layout as the masters): fp32 ones are
+        scaled in place and are the masters' ``.grad`` only while the inner optimizer runs; 16-bit ones are widened
+        chunk by chunk inside the update (module doc) and left unchanged. ``buckets``: run the
         update bucket by bucket, calling each one's ``done()`` after it (see module doc); ignored (one whole step,
         no ``done()`` call) when they do not tile the masters or state is swapped to NVMe -- the caller then
         refreshes what was not done. The engine runs it inside :meth:`host_threads`."""
@@ -177,7 +200,12 @@ class ShardedOptimizer:
         if clip and clip > 0:
             self.last_grad_norm = self._global_norm(grads, inv)
             coef = inv * min(1.0, clip / (self.last_grad_norm + 1e-6))
-        if coef != 1.0:
+        if any(g.dtype != torch.float32 for g in grads):
+            if self.files is None and self.swapper is None:
+                self._widening_step(grads, coef)
+                return False
+            grads = [_widen(g, coef) for g in grads]  # NVMe: the streamed step takes whole fp32 partitions
+        elif coef != 1.0:
             torch._foreach_mul_(grads, coef)
         if self.files is not None:
             self._streamed_step(grads)
@@ -214,8 +242,23 @@ class ShardedOptimizer:
                 return False
         return True
 
+    def _widening_step(self, grads: list[torch.Tensor], coef: float) -> None:
+        """Phase 3 over 16-bit gradient partitions: the update in ``widen_chunk``-element pieces, each piece's fp32
+        gradient made (``0 + x``, scaled by ``coef``) just before its update and dropped after."""
+        chunk = self.widen_chunk
+        buckets = [StepBucket(((g, lo, min(lo + chunk, m.numel())),), _nothing)
+                   for g, m in enumerate(self.masters) for lo in range(0, m.numel(), chunk)]
+        for m in self.masters:  # state initialisation needs a grad: a zero-stride stand-in, no memory
+            m.grad = torch.zeros((), dtype=m.dtype, device=m.device).expand(m.shape)
+        try:
+            self._bucketed_step(buckets, grad_of=lambda g, lo, hi: _widen(grads[g][lo:hi], coef))
+        finally:
+            for m in self.masters:
+                m.grad = None
+
     @torch.no_grad()
-    def _bucketed_step(self, buckets: Sequence[StepBucket]) -> None:
+    def _bucketed_step(self, buckets: Sequence[StepBucket],
+                       grad_of: Callable[[int, int, int], torch.Tensor] | None = None) -> None:
         """``inner.step()`` once per bucket, on slices: the masters' state is initialised as torch does
         (``_init_group``); then each bucket's groups hold detached views of its master ranges, with the matching
         slices of the gradients and moments as their ``.grad`` and state and a copy of the ``step`` counter, which is
@@ -232,7 +275,7 @@ class ShardedOptimizer:
                     group["params"] = []
                 for g, lo, hi in bucket.ranges:
                     view = self.masters[g].detach()[lo:hi]
-                    view.grad = self.masters[g].grad[lo:hi]
+                    view.grad = self.masters[g].grad[lo:hi] if grad_of is None else grad_of(g, lo, hi)
                     inner.state[view] = {k: t.clone() if k == "step" else t[lo:hi] for k, t in states[g].items()}
                     groups[g]["params"].append(view)
                     views.append(view)

@@ -163,6 +163,13 @@ class GradStore:
         self.widen()
         return self.acc
 
+    def step_input(self) -> torch.Tensor:
+        """What the optimizer step reads: the 16-bit partition itself while the window's gradients are only that
+        (device store: the optimizer widens it chunk by chunk), else :meth:`fp32`."""
+        if self.host is None and self.acc is None and self.low is not None:
+            return self.low
+        return self.fp32()
+
     def nbytes(self) -> dict[str, int]:
         return {"grad_partition_16bit": self.low.nbytes if self.low is not None else 0,
                 "grad_partition_fp32": self.acc.nbytes if self.acc is not None else 0}

@@ -30,10 +30,12 @@ Communication phases (``overlap_comm`` on, the default; see :class:`~engine.zero
   and all of them by :meth:`reduce_at_boundary` (before the optimizer step) or :meth:`zero_grads`.
   :meth:`after_backward` flushes incomplete units in unit order, ends the pass and releases everything left
   (waiting any in-flight gather first).
-* optimizer step: :meth:`grad_partitions` turns the stores into fp32 partitions (``0 + piece``, exactly what a
-  persistent fp32 partition zeroed after each step would hold), dropped by :meth:`zero_grads`. No gradient-sized
-  buffer lives between steps; during forward/backward at most the 16-bit store (2 bytes x partition) with gradient
-  accumulation 1 and a 16-bit reduce dtype (NCCL's default), where a persistent fp32 partition took 4.
+* optimizer step: :meth:`grad_partitions` hands over the stores: a 16-bit device store as it is (the optimizer
+  widens it ``sub_group_size`` elements at a time, DeepSpeed's sub-groups), else fp32 partitions (``0 + piece``,
+  exactly what a persistent fp32 partition zeroed after each step would hold), dropped by :meth:`zero_grads`. No
+  gradient-sized buffer lives between steps; during forward/backward at most the 16-bit store (2 bytes x partition)
+  with gradient accumulation 1 and a 16-bit reduce dtype (NCCL's default), where a persistent fp32 partition took 4;
+  during the step that store plus one fp32 chunk.
 * after the optimizer step: the fp32 master partition is cast into the param partition (no communication);
   persistent units (``numel < stage3_param_persistence_threshold``) and units held by a user context are
   re-gathered: all their all-gathers issued, then all waited.
@@ -461,10 +463,12 @@ class PartitionedParamManager:
         self._drain_reductions()
 
     def grad_partitions(self) -> list[torch.Tensor]:
-        """This window's flat fp32 gradient partitions, one per trainable group (made now from the 16-bit stores);
-        the optimizer may scale them in place. Released by :meth:`zero_grads`."""
+        """This window's flat gradient partitions, one per trainable group: a device store still in the reduce
+        dtype is handed over as it is (the optimizer widens it to fp32 one ``sub_group_size`` chunk at a time, so the
+        step never holds a whole fp32 copy beside it), otherwise fp32 (made now from the 16-bit host stores); the
+        optimizer may scale fp32 ones in place. Released by :meth:`zero_grads`."""
         self._drain_reductions()
-        return [store.fp32() for store in self.stores]
+        return [store.step_input() for store in self.stores]
 
     def zero_grads(self) -> None:
         """End the window: drop the gradient stores (their memory is freed)."""

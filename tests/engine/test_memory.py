@@ -282,7 +282,13 @@ def _memory_run(engine, cfg, rank, world_size) -> dict:
 
     def step_probe(*a, **k):
         rec("step")
+        # fp32 gradients the inner step reads now (zero-stride stand-ins hold no memory)
+        held = sum(p.grad.nbytes for group in eng.optimizer.inner.param_groups for p in group["params"]
+                   if p.grad is not None and p.grad.stride() != (0,))
+        rec.step_grad_bytes = max(rec.step_grad_bytes, held)
+        rec.step_calls += 1
         return inner_step(*a, **k)
+    rec.step_grad_bytes, rec.step_calls = 0, 0
     eng.optimizer.inner.step = step_probe
     gas = cfg["gradient_accumulation_steps"]
     g = torch.Generator().manual_seed(7 + rank)
@@ -296,8 +302,11 @@ def _memory_run(engine, cfg, rank, world_size) -> dict:
             eng.step()
         rec.phase_prefix = ""
         rec("after_step")
-    return {"seen": rec.seen, "partition_bytes_fp32": 4 * rec.partition_numel}
+    return {"seen": rec.seen, "partition_bytes_fp32": 4 * rec.partition_numel,
+            "step_grad_bytes": rec.step_grad_bytes, "step_calls": rec.step_calls}
 
+
+SUB_GROUP = 100  # stage 3: elements widened to fp32 at a time inside the step (DeepSpeed's sub_group_size)
 
 MEMORY = {
     "s0_bf16": ds_config(0, dtype="bf16", gas=1, clip=1.0, bucket=5000, communication_data_type="bf16"),
@@ -306,7 +315,8 @@ MEMORY = {
     "s1_bf16_gas2": ds_config(1, dtype="bf16", gas=2, clip=1.0, bucket=5000, communication_data_type="bf16"),
     "s2_bf16_gas2": ds_config(2, dtype="bf16", gas=2, clip=1.0, bucket=5000, communication_data_type="bf16"),
     "s2_bf16_fp32comm": ds_config(2, dtype="bf16", gas=1, clip=1.0, bucket=5000),
-    "s3_bf16": ds_config(3, dtype="bf16", gas=1, clip=1.0, bucket=5000, communication_data_type="bf16"),
+    "s3_bf16": ds_config(3, dtype="bf16", gas=1, clip=1.0, bucket=5000, communication_data_type="bf16",
+                         extra_zero={"sub_group_size": SUB_GROUP}),
     "s3_bf16_gas2": ds_config(3, dtype="bf16", gas=2, clip=1.0, bucket=5000, communication_data_type="bf16"),
 }
 
@@ -342,6 +352,10 @@ EXACT = dict([
            extra_zero={"overlap_comm": False}),
     _exact("s3_bf16_bf16comm_overlap", 3, dtype="bf16", gas=1, communication_data_type="bf16",
            extra_zero={"overlap_comm": True}),
+    _exact("s3_bf16_bf16comm_overlap_chunked", 3, dtype="bf16", gas=1, communication_data_type="bf16",
+           extra_zero={"overlap_comm": True, "sub_group_size": 37}),
+    _exact("s3_fp16_fp16comm_overlap_chunked", 3, dtype="fp16", gas=1, communication_data_type="fp16",
+           extra_zero={"overlap_comm": True, "sub_group_size": 37}),
     _exact("s3_bf16_gas2_overlap", 3, dtype="bf16", gas=2, communication_data_type="bf16",
            extra_zero={"overlap_comm": True}),
     _exact("s3_bf16_fp32comm_overlap", 3, dtype="bf16", gas=1, extra_zero={"overlap_comm": True}),
@@ -415,9 +429,15 @@ def test_no_fp32_gradient_partition_during_forward_backward(results, name):
         for phase in ("micro0_forward", "micro0_backward", "micro0_after_backward"):
             row = seen[phase]
             assert row["fp32"] == 0 and row["master_grad"] == 0 and row["stray_fp32"] == 0, (phase, row)
-        # the fp32 partition exists only inside the optimizer step, as the masters' .grad
-        assert seen["micro0_step"]["fp32"] == r["memory"][name]["partition_bytes_fp32"]
-        assert seen["micro0_step"]["master_grad"] == 1
+        if name == "s3_bf16":  # stage 3: the step reads the 16-bit store, widening one sub-group at a time
+            assert seen["micro0_step"]["fp32"] == 0 and seen["micro0_step"]["low"] > 0
+            assert 0 < r["memory"][name]["step_grad_bytes"] <= 4 * SUB_GROUP
+            assert r["memory"][name]["step_calls"] >= STEPS * r["memory"][name]["partition_bytes_fp32"] // (
+                4 * SUB_GROUP)
+        else:  # the fp32 partition exists only inside the optimizer step, as the masters' .grad
+            assert seen["micro0_step"]["fp32"] == r["memory"][name]["partition_bytes_fp32"]
+            assert seen["micro0_step"]["master_grad"] == 1
+            assert 0 < r["memory"][name]["step_grad_bytes"] <= 2 * r["memory"][name]["partition_bytes_fp32"]
         assert seen["after_step"] == {"fp32": 0, "low": 0, "master_grad": 0, "stray_fp32": 0}
         if name in ("s2_bf16", "s3_bf16"):  # stages 2/3 reduce during backward, into the 16-bit store
             assert seen["micro0_backward"]["low"] > 0
