@@ -226,10 +226,11 @@ class Engine(nn.Module):
         from engine.nvme import ParamFiles
 
         pin = self.device.type == "cuda" and bool(sub.pin_memory)
+        # a staging buffer holds at least the largest unit slice, and never more than this rank's largest partition
+        largest_slice = max((u.slice_numel for u in self.table.units), default=1)
+        numel = max(min(int(sub.buffer_size), max(self.table.group_partition_numel, default=1)), largest_slice)
         return lambda sizes, dtype: ParamFiles(sub.nvme_path, self.ctx.rank, sizes, dtype,
-                                               buffer_count=int(sub.buffer_count),
-                                               buffer_numel=max(int(sub.buffer_size), max(
-                                                   (u.slice_numel for u in self.table.units), default=1)), pin=pin)
+                                               buffer_count=int(sub.buffer_count), buffer_numel=numel, pin=pin)
 
     def _optimizer_files(self) -> dict:
         """offload_optimizer nvme with stage 3: masters and moments in :class:`engine.nvme.OptimizerFiles`,

@@ -175,6 +175,16 @@ class GradStore:
                 "grad_partition_fp32": self.acc.nbytes if self.acc is not None else 0}
 
 
+def gradient_buffer_bytes(stores: list[GradStore], params) -> dict[str, int]:
+    """Bytes of a rank's live gradient buffers: its stores (16-bit, fp32) and the parameters' ``.grad`` tensors."""
+    out = {"grad_partition_16bit": 0, "grad_partition_fp32": 0}
+    for store in stores:
+        for k, v in store.nbytes().items():
+            out[k] += v
+    out["param_grads"] = sum(p.grad.nbytes for p in params if p.grad is not None)
+    return out
+
+
 class FlatParamManager:
     """Owns parameter storage, gradient reduction and the post-step all-gather for stages 0, 1 and 2."""
 
@@ -324,12 +334,7 @@ class FlatParamManager:
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of this rank's live gradient buffers (for memory reports and tests)."""
-        out = {"grad_partition_16bit": 0, "grad_partition_fp32": 0}
-        for store in self.stores:
-            for k, v in store.nbytes().items():
-                out[k] += v
-        out["param_grads"] = sum(p.grad.nbytes for p in self.params if p.grad is not None)
-        return out
+        return gradient_buffer_bytes(self.stores, self.params)
 
     # -- after the optimizer step ---------------------------------------------------------------------------------
     def step_buckets(self) -> list[StepBucket] | None:

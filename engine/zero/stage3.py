@@ -59,7 +59,7 @@ from engine import comm
 from engine.offload import HostBuffers, Uploader
 from engine.partition import PartitionTable, Unit
 from engine.zero.collectives import CollectiveQueue
-from engine.zero.flat import GradStore, pack_unit_grads
+from engine.zero.flat import GradStore, gradient_buffer_bytes, pack_unit_grads
 from engine.zero.prefetch import FetchTrace, Stage3Options
 
 _EMPTY_CACHE: dict = {}
@@ -477,12 +477,7 @@ class PartitionedParamManager:
 
     def buffer_bytes(self) -> dict[str, int]:
         """Bytes of this rank's live gradient buffers (for memory reports and tests)."""
-        out = {"grad_partition_16bit": 0, "grad_partition_fp32": 0}
-        for store in self.stores:
-            for k, v in store.nbytes().items():
-                out[k] += v
-        out["param_grads"] = sum(p.grad.nbytes for p in self.params if p.grad is not None)
-        return out
+        return gradient_buffer_bytes(self.stores, self.params)
 
     @torch.no_grad()
     def update_params(self) -> None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import statistics
 import sys
 import time
@@ -24,6 +23,8 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+
+from bench_common import init_process_group
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -86,12 +87,7 @@ def main() -> None:
 
     import engine
 
-    if a.cpu:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_process_group(a.cpu)
     device = "cpu" if a.cpu else "cuda"
     cfg = LlamaConfig(hidden_size=a.hidden, intermediate_size=int(a.hidden * 2.75), num_hidden_layers=a.layers,
                       num_attention_heads=16 if a.hidden >= 256 else 4, vocab_size=32000,

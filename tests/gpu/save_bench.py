@@ -28,6 +28,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
+from bench_common import init_process_group
+
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
 
@@ -132,12 +134,7 @@ def main() -> None:
     a = _args()
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    if a.cpu:
-        dist.init_process_group("gloo")
-    else:
-        dist.init_process_group("nccl")
-        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
-    rank, world = dist.get_rank(), dist.get_world_size()
+    rank, world = init_process_group(a.cpu)
     if a.impl == "deepspeed":
         import deepspeed as lib
     else:

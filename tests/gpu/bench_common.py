@@ -1,0 +1,18 @@
+"""Shared start-up of the GPU benchmark scripts (run with torchrun; ``--cpu`` tries a script small on gloo)."""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.distributed as dist
+
+
+def init_process_group(cpu: bool) -> tuple[int, int]:
+    """gloo on the CPU, else NCCL on this rank's GPU (``LOCAL_RANK``); returns ``(rank, world size)``."""
+    if cpu:
+        dist.init_process_group("gloo")
+    else:
+        dist.init_process_group("nccl")
+        torch.cuda.set_device(int(os.environ["LOCAL_RANK"]))
+    return dist.get_rank(), dist.get_world_size()
