@@ -365,8 +365,8 @@ class Engine(nn.Module):
 
     def destroy(self) -> None:
         """Detach the engine from the model (DeepSpeed's ``destroy``): wait for an asynchronous save, remove the
-        ZeRO manager's hooks, remove NVMe offload files. The hooks' closures hold the manager, and the parameters hold the hooks in C++, a cycle
-        Python's garbage collector cannot see: without this, a dropped stage 2/3 engine keeps its buffers alive."""
+        ZeRO manager's hooks, remove NVMe offload files. A dropped engine is freed without it too (the gradient hooks,
+        held by the parameters in C++, reference the manager weakly), but its NVMe files then wait for exit."""
         if getattr(self, "_saver", None) is not None:
             self._saver.wait()
         for handle in getattr(self.mgr, "_hooks", []):

@@ -52,6 +52,7 @@ gradient partition that is zeroed after each step and has every piece added into
 from __future__ import annotations
 
 import functools
+import weakref
 
 import torch
 
@@ -280,12 +281,17 @@ class FlatParamManager:
     # -- stage 2 hooks ------------------------------------------------------------------------------------------
     def _make_hook(self, index: int):
         unit_id = self.table.param_unit[index]
+        n_params = len(self.table.units[unit_id].params)
+        ref = weakref.ref(self)  # the hook lives in C++ (autograd): a strong reference would keep the manager alive
 
         def hook(_param):
-            pending = self._pending[unit_id]
+            mgr = ref()
+            if mgr is None:
+                return
+            pending = mgr._pending[unit_id]
             pending.add(index)
-            if len(pending) == len(self.table.units[unit_id].params):
-                self._reduce_stage2_unit(unit_id)
+            if len(pending) == n_params:
+                mgr._reduce_stage2_unit(unit_id)
         return hook
 
     def _reduce_stage2_unit(self, unit_id: int) -> None:

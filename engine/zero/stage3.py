@@ -50,6 +50,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import weakref
 from collections import Counter
 
 import torch
@@ -395,12 +396,16 @@ class PartitionedParamManager:
     def _grad_hook(self, index: int):
         unit_id = self.table.param_unit[index]
         n_params = len(self.table.units[unit_id].params)
+        ref = weakref.ref(self)  # the hook lives in C++ (autograd), out of the garbage collector's sight
 
         def hook(_param):
-            pending = self._pending[unit_id]
+            mgr = ref()
+            if mgr is None:
+                return
+            pending = mgr._pending[unit_id]
             pending.add(index)
             if len(pending) == n_params:
-                self._reduce_unit(unit_id)
+                mgr._reduce_unit(unit_id)
         return hook
 
     # -- gradient reduction ---------------------------------------------------------------------------------------

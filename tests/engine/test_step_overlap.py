@@ -7,7 +7,7 @@
   clipping, small buckets so there are several all-gather buckets; ``overlap_comm``) with the step overlap on and off
   (``ENGINE_STEP_ALLGATHER_OVERLAP``): losses, fp32 masters and the compute parameters are bit-identical, and with
   the overlap on, each bucket after the first is stepped while the previous bucket's all-gathers are in flight;
-  and a stage 2/3 engine is freed once ``destroy()`` removed its hooks.
+  and a dropped stage 2/3 engine is freed, with or without ``destroy()`` (stage 2 also while the model lives on).
 """
 
 from __future__ import annotations
@@ -136,11 +136,15 @@ def run_settings(rank: int, world_size: int, out: Path, names: list[str]) -> Non
         (out / f"{name}.rank{rank}.json").write_text(json.dumps({
             "losses": losses, "in_flight_at_done": log, "units": len(eng.table.units),
             "left": len(eng.mgr._gathers)}))
-    (out / f"freed.rank{rank}.json").write_text(json.dumps({stage: _freed_after_destroy(stage) for stage in (2, 3)}))
+    freed = {f"{stage}{how}": _freed(stage, how) for stage in (2, 3) for how in ("_destroy", "", "_keep_model")
+             if not (stage == 3 and how == "_keep_model")}
+    (out / f"freed.rank{rank}.json").write_text(json.dumps(freed))
 
 
-def _freed_after_destroy(stage: int) -> bool:
-    """A dropped engine is garbage once ``destroy()`` removed its hooks (they hold the manager in C++)."""
+def _freed(stage: int, how: str) -> bool:
+    """Is a dropped engine garbage? ``_destroy``: after ``destroy()``; ``""``: engine and model dropped, no
+    ``destroy()`` (the gradient hooks live in C++ and hold the manager weakly); ``_keep_model`` (stage 2): the user
+    keeps the model, drops the engine."""
     import gc
     import weakref
 
@@ -152,8 +156,11 @@ def _freed_after_destroy(stage: int) -> bool:
     eng.backward(loss)
     eng.step()
     ref = weakref.ref(eng.mgr)
-    eng.destroy()
-    del eng, model, loss, _
+    if how == "_destroy":
+        eng.destroy()
+    del eng, loss, _
+    if how != "_keep_model":
+        del model
     gc.collect()
     return ref() is None
 
@@ -170,10 +177,11 @@ def results(tmp_path_factory):
     return get
 
 
-def test_destroyed_engine_is_freed(results):
+def test_dropped_engine_is_freed(results):
     out = results.out
     for rank in range(2):
-        assert json.loads((out / f"freed.rank{rank}.json").read_text()) == {"2": True, "3": True}
+        assert json.loads((out / f"freed.rank{rank}.json").read_text()) == {
+            "2_destroy": True, "2": True, "2_keep_model": True, "3_destroy": True, "3": True}
 
 
 @pytest.mark.parametrize("name", [n for n in SETTINGS if n.endswith("_overlap")])
