@@ -22,7 +22,6 @@ saves the (plain, bf16) model there unless ``DIR/config.json`` exists; then ``pl
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -31,7 +30,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_common import init_process_group
+from bench_common import init_process_group, report_and_exit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -169,12 +168,7 @@ def main() -> None:
         step_s = statistics.median(times[2:] if len(times) > 3 else times)
         result.update({"step_s": round(step_s, 4), "tokens_per_s": round(world * a.mbs * a.seq / step_s),
                        "peak_step_GiB": _peak(a)})
-    if rank == 0:
-        print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    from engine.comm import exit_without_finalizing
-
-    exit_without_finalizing()
+    report_and_exit(rank, result)
 
 
 if __name__ == "__main__":

@@ -15,7 +15,6 @@ build); ``nvme_GB``: the rank's offload files on disk. Prints one JSON line (ran
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_common import init_process_group
+from bench_common import init_process_group, report_and_exit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -132,12 +131,7 @@ def main() -> None:
         result["peak_GiB"] = _max_over_ranks(torch.cuda.max_memory_allocated() / 2**30, "cuda")
     eng.destroy()
     result["files_left"] = root.exists()
-    if rank == 0:
-        print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    from engine.comm import exit_without_finalizing
-
-    exit_without_finalizing()
+    report_and_exit(rank, result)
 
 
 if __name__ == "__main__":

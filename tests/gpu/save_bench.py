@@ -17,7 +17,6 @@ time for those bytes. Prints one JSON line (rank 0) last.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import shutil
 import statistics
@@ -28,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from bench_common import init_process_group
+from bench_common import init_process_group, report_and_exit
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[2]))
 
@@ -200,12 +199,7 @@ def main() -> None:
         if rank == 0:
             shutil.rmtree(save, ignore_errors=True)
         _sync(a)
-    if rank == 0:
-        print(json.dumps(result), flush=True)
-    dist.destroy_process_group()
-    from engine.comm import exit_without_finalizing
-
-    exit_without_finalizing()
+    report_and_exit(rank, result)
 
 
 if __name__ == "__main__":
