@@ -3,9 +3,10 @@
 * ``offload_optimizer.device = cpu``: fp32 master partition, gradient partition and Adam moments are allocated on
   CPU. Gradients are reduced on the compute device and each unit's piece copied to CPU (stages 0-2 keep it there in
   the reduce dtype until the step, then make the fp32 gradient partition for the step only, see
-  :mod:`engine.zero.flat`; stage 3 adds into a persistent fp32 partition); the Adam step runs on CPU (torch foreach
-  kernels); updated masters are copied back and cast into the compute-dtype parameters. On a CPU-only machine this
-  is the default placement anyway.
+  :mod:`engine.zero.flat`, stage 3 too); the Adam step runs on CPU (torch's fused AdamW kernel next to a GPU, on
+  :func:`engine.optimizer.host_step_threads` threads); updated masters are cast on the host into pinned staging and
+  uploaded into the compute-dtype parameters (:class:`Uploader`). On a CPU-only machine this is the default
+  placement anyway (foreach kernels there).
 * ``offload_optimizer.device = nvme``, **stage 3**: the fp32 masters and both Adam moments live in files
   (:class:`engine.nvme.OptimizerFiles`, ``<nvme_path>/zckpt-engine-rank<r>/optimizer/``); the step streams each
   group through a bounded host buffer in chunks of ``min(sub_group_size, 16M)`` elements (read chunk i+1 / step
@@ -18,7 +19,7 @@
   rank's slice to the device, all-gathers there, and the full unit is freed after use.
 * ``offload_param.device = nvme`` (stage 3): the compute-dtype partitions live in files
   (:class:`engine.nvme.ParamFiles`, ``.../param/``); nothing of them is kept in memory except ``buffer_count``
-  staging buffers of ``max(buffer_size, largest unit slice)`` elements (pinned on CUDA with ``pin_memory``). The
+  staging buffers of ``max(min(buffer_size, largest partition), largest unit slice)`` elements (pinned on CUDA with ``pin_memory``). The
   units of the next recorded events are read ahead on a background thread; a unit's all-gather is prefetched only
   once its read started at an earlier event. Written back (cast from the masters) after every step.
 
@@ -137,6 +138,16 @@ class Uploader:
         if self._cuda:
             self._done = torch.cuda.Event()
             self._done.record()
+
+
+def host_staging(master_device: torch.device, target_device: torch.device) -> tuple[HostBuffers | None,
+                                                                                   Uploader | None]:
+    """An offloaded optimizer next to a GPU (fp32 masters on the host, ``target_device`` CUDA) reuses pinned host
+    buffers for the gradient stores and the upload staging: ``(HostBuffers, Uploader)``; otherwise ``(None, None)``."""
+    if master_device.type == "cpu" and target_device.type == "cuda":
+        host = HostBuffers(pin=True)
+        return host, Uploader(host)
+    return None, None
 
 
 def allocate(numel: int, device: torch.device, pin: bool) -> torch.Tensor:

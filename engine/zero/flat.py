@@ -57,7 +57,7 @@ import weakref
 import torch
 
 from engine import comm
-from engine.offload import HostBuffers, Uploader
+from engine.offload import HostBuffers, host_staging
 from engine.optimizer import StepBucket
 from engine.partition import PartitionTable, Unit
 from engine.zero.collectives import CollectiveQueue, step_overlap_enabled
@@ -210,9 +210,7 @@ class FlatParamManager:
         self.device, self.compute_dtype, self.reduce_dtype = device, compute_dtype, reduce_dtype
         self.master_device = master_device
         # offloaded optimizer next to a GPU: gradient stores and the upload staging are reused pinned host buffers
-        offloaded = master_device.type == "cpu" and device.type == "cuda"
-        self.host = HostBuffers(pin=True) if offloaded else None
-        self.uploader = Uploader(self.host) if offloaded else None
+        self.host, self.uploader = host_staging(master_device, device)
         self.shard_rank = comm.rank() if table.world_size > 1 else 0
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel]

@@ -57,7 +57,7 @@ import torch
 from torch import nn
 
 from engine import comm
-from engine.offload import HostBuffers, Uploader
+from engine.offload import host_staging
 from engine.partition import PartitionTable, Unit
 from engine.zero.collectives import CollectiveQueue
 from engine.zero.flat import GradStore, gradient_buffer_bytes, pack_unit_grads
@@ -121,10 +121,8 @@ class PartitionedParamManager:
         self.masters = [torch.zeros(n, dtype=torch.float32, device=master_device)
                         for n in table.group_partition_numel[:num_trainable_groups]]
         self.master_device = master_device
-        offloaded = master_device.type == "cpu" and param_device.type == "cuda"
         # offloaded next to a GPU: gradient stores and the upload staging are reused pinned host buffers
-        self.host = HostBuffers(pin=True) if offloaded else None
-        self.uploader = Uploader(self.host) if offloaded else None
+        self.host, self.uploader = host_staging(master_device, param_device)
         self.stores = self._new_stores()  # this window's reduced gradients (flat.GradStore), none between steps
         # offload_param nvme: ``param_files(group sizes, dtype)`` -> engine.nvme.ParamFiles; no partition in memory
         self.files = param_files(list(table.group_partition_numel), compute_dtype) if param_files else None

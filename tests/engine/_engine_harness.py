@@ -248,3 +248,19 @@ def _launch_once(fn, world_size: int, out_dir: Path, args: tuple, timeout: float
 
 def write_json(path: Path, obj) -> None:
     path.write_text(json.dumps(obj))
+
+
+def dataclass_without_post_init(cls, **values):
+    """An instance of the dataclass ``cls`` (e.g. transformers.TrainingArguments, whose __post_init__ needs accelerate
+    and a device) with its defaults set field by field, then ``values``; its methods are the real ones."""
+    import dataclasses
+
+    obj = object.__new__(cls)
+    for f in dataclasses.fields(cls):
+        if f.default is not dataclasses.MISSING:
+            setattr(obj, f.name, f.default)
+        elif f.default_factory is not dataclasses.MISSING:
+            setattr(obj, f.name, f.default_factory())
+    for name, value in values.items():
+        setattr(obj, name, value)
+    return obj

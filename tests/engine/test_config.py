@@ -13,6 +13,8 @@ import torch
 
 from engine.config import (ConfigError, EngineConfig, FP16Config, describe_keys, load_config, model_hidden_size)
 
+from _engine_harness import dataclass_without_post_init
+
 # ---- Test data: verbatim from the transformers DeepSpeed guide ----------------------------------------------------
 
 # docs/source/en/main_classes/deepspeed.md, "ZeRO-2 Example": ds_config_zero2.json
@@ -241,15 +243,7 @@ def real_training_arguments(**values):
     __post_init__, which needs accelerate and a device; only the fields matter here."""
     transformers = pytest.importorskip("transformers")
     cls = transformers.TrainingArguments
-    args = object.__new__(cls)
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            setattr(args, f.name, f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            setattr(args, f.name, f.default_factory())
-    for name, value in values.items():
-        setattr(args, name, value)
-    return args
+    return dataclass_without_post_init(cls, **values)
 
 
 def write(tmp_path, text, name="ds_config.json"):

@@ -9,7 +9,6 @@ are committed verbatim in ``fixtures/hf_guide`` (source: its README).
 
 from __future__ import annotations
 
-import dataclasses
 import importlib.util
 import json
 import logging
@@ -25,6 +24,8 @@ from engine.config import ConfigError
 from engine.hf_optim import decay_parameter_names, trainer_param_groups
 from engine.scheduler import HF_SCHEDULES, HFSchedule
 
+from _engine_harness import dataclass_without_post_init
+
 transformers = pytest.importorskip("transformers")
 
 GUIDE = Path(__file__).resolve().parents[2] / "fixtures" / "hf_guide"
@@ -38,15 +39,7 @@ def training_arguments(**values):
     cls = transformers.TrainingArguments
     if importlib.util.find_spec("accelerate") is not None:
         return cls(output_dir="unused", report_to=[], use_cpu=True, **values)
-    args = object.__new__(cls)
-    for f in dataclasses.fields(cls):
-        if f.default is not dataclasses.MISSING:
-            setattr(args, f.name, f.default)
-        elif f.default_factory is not dataclasses.MISSING:
-            setattr(args, f.name, f.default_factory())
-    for name, value in values.items():
-        setattr(args, name, value)
-    return args
+    return dataclass_without_post_init(cls, **values)
 
 
 def hf_trainer(model, args):
